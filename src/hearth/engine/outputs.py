@@ -1,0 +1,57 @@
+"""What the engine hands back: incremental outputs for streaming, whole results for `LLM.generate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass
+class TokenLogprob:
+    """The logprob of one sampled token, and the `top` most likely alternatives (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """One step's worth of a request: what is new since the previous output, and the usage so far.
+
+    `finish_reason` is set on the last output only. `stop_reason` is the matched stop string or
+    stop token id when `finish_reason == "stop"` (None for EOS). `error` explains "error"/"abort".
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionResult:
+    """A finished request, as `LLM.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
