@@ -1,0 +1,69 @@
+"""Engine options: one frozen dataclass, shared by `LLM`, `AsyncEngine`, `hearth serve` and `hearth bench offline`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    kv_cache_memory_gib: float = 1.0
+    page_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+    served_model_name: str | None = None
+    load_progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError("kv_cache_memory_gib must be > 0")
+        if self.page_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("page_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    @property
+    def resolved_num_threads(self) -> int:
+        return self.num_threads or len(os.sched_getaffinity(0))
+
+    @staticmethod
+    def add_cli_arguments(parser: argparse.ArgumentParser, require_model: bool = False) -> None:
+        group = parser.add_argument_group("engine")
+        group.add_argument("--model", required=require_model, default=None, help="Hugging Face checkpoint directory")
+        group.add_argument("--served-model-name", default=None, help="model name in the API (default: directory name)")
+        group.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                           help="weights/activations dtype; auto = the checkpoint's (float32 on CPUs without bf16/fp16 math)")
+        group.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, default=1.0,
+                           help="memory for the KV cache, GiB")
+        group.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+        group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
+        group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+        group.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+        group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                           help="turn prefix caching off")
+        group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+        group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values.update(overrides)
+        return cls(**values)

@@ -1,0 +1,77 @@
+"""A request's state inside the engine: tokens, pages held, progress, and how it ended."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from hearth.engine.detokenizer import IncrementalDetokenizer
+from hearth.engine.outputs import FinishReason, TokenLogprob
+from hearth.engine.sampling_params import SamplingParams
+from hearth.engine.stop_checker import StopStringMatcher
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefix_root: bytes
+    arrival_index: int
+    max_model_len: int
+    detokenizer: IncrementalDetokenizer | None = None
+    stop_matcher: StopStringMatcher | None = None
+    generator: torch.Generator | None = None
+
+    token_ids: list[int] = field(init=False)  # prompt + output, the sequence the KV cache holds
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # KV state (see hearth.kv.manager.PageHolder)
+    page_ids: list[int] = field(default_factory=list)
+    page_generations: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    cached_page_count: int = 0
+    # reporting
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    output_text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        room = self.max_model_len - self.num_prompt_tokens
+        if self.params.max_tokens is None:
+            return room
+        return min(self.params.max_tokens, room)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,87 @@
+"""The model runner: a scheduled batch -> input tensors and attention context -> forward -> logits."""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.engine.scheduler import ScheduledRequest
+from hearth.kv.pool import KVPool
+from hearth.model.decoder import CausalLM
+from hearth.ops.attention import AttentionContext, PrefillChunk
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: KVPool, sliding_window: int | None = None) -> None:
+        self.model = model
+        self.pool = pool
+        self.page_size = pool.layout.page_size
+        self.sliding_window = sliding_window
+        self.kv_layers = [pool.layer(i) for i in range(pool.layout.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        """Logits (float32) for the rows of `batch` whose `samples` is true, in batch order."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        for item in batch:
+            start = item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            token_ids.extend(item.request.token_ids[start:end])
+            positions.extend(range(start, end))
+            if item.samples:
+                logits_indices.append(len(token_ids) - 1)
+        ctx = self._attention_context(batch)
+        return self.model(
+            torch.tensor(token_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            ctx,
+            self.kv_layers,
+            torch.tensor(logits_indices, dtype=torch.long),
+        )
+
+    def _slots(self, page_ids: list[int], start: int, end: int) -> torch.Tensor:
+        pages = torch.tensor(page_ids, dtype=torch.long)
+        positions = torch.arange(start, end)
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def _attention_context(self, batch: list[ScheduledRequest]) -> AttentionContext:
+        page_size = self.page_size
+        decodes = [item for item in batch if item.num_new_tokens == 1]
+        slot_parts: list[torch.Tensor] = []
+        ctx = AttentionContext(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(decodes))
+        if decodes:
+            context_lens = torch.tensor([item.request.num_computed_tokens + 1 for item in decodes])
+            max_pages = max(len(item.request.page_ids) for item in decodes)
+            table = torch.zeros(len(decodes), max_pages, dtype=torch.long)
+            for row, item in enumerate(decodes):
+                table[row, : len(item.request.page_ids)] = torch.tensor(item.request.page_ids)
+            max_len = int(context_lens.max())
+            positions = torch.arange(max_len)
+            slots = table[:, positions // page_size] * page_size + positions % page_size
+            mask = positions[None, :] < context_lens[:, None]
+            if self.sliding_window is not None:
+                mask &= positions[None, :] > (context_lens[:, None] - 1 - self.sliding_window)
+            ctx.decode_kv_slots = slots
+            ctx.decode_mask = mask[:, None, None, :]
+            last = context_lens - 1
+            slot_parts.append(table.gather(1, (last // page_size)[:, None]).squeeze(1) * page_size + last % page_size)
+        row = len(decodes)
+        for item in batch[len(decodes) :]:
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_new_tokens
+            kv_slots = self._slots(request.page_ids, 0, end)
+            slot_parts.append(kv_slots[start:end])
+            mask = None
+            window_bites = self.sliding_window is not None and end > self.sliding_window
+            if start > 0 or window_bites:
+                query_pos = torch.arange(start, end)[:, None]
+                key_pos = torch.arange(end)[None, :]
+                mask = key_pos <= query_pos
+                if window_bites:
+                    mask &= key_pos > query_pos - self.sliding_window
+            ctx.prefills.append(PrefillChunk(row, item.num_new_tokens, kv_slots, mask))
+            row += item.num_new_tokens
+        ctx.slot_mapping = torch.cat(slot_parts) if slot_parts else ctx.slot_mapping
+        return ctx

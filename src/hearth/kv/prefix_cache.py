@@ -1,0 +1,75 @@
+"""The prefix cache: full pages named by their prefix key, shared by reference count, evicted LRU.
+
+Plain Python. A cached page with no readers stays resident ("parked") until the allocator runs dry,
+then the least recently used parked page is evicted and reused.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class PrefixCache:
+    """Maps prefix keys to resident pages.
+
+    Contract: `match` returns the pages of the longest run of leading keys that are resident;
+    `insert` names a just-filled page (first writer wins: a key already present keeps its page);
+    `park` records that a cached page lost its last reader (it becomes evictable, most recent last);
+    `unpark` takes it back when a request reuses it; `evict_one` forgets the least recently used
+    parked page and returns its id for reuse.
+    """
+
+    def __init__(self) -> None:
+        self._page_by_key: dict[bytes, int] = {}
+        self._key_by_page: dict[int, bytes] = {}
+        self._parked: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._page_by_key)
+
+    @property
+    def num_parked_pages(self) -> int:
+        return len(self._parked)
+
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        pages: list[int] = []
+        for key in keys:
+            page_id = self._page_by_key.get(key)
+            if page_id is None:
+                break
+            pages.append(page_id)
+        return pages
+
+    def is_cached(self, page_id: int) -> bool:
+        return page_id in self._key_by_page
+
+    def insert(self, key: bytes, page_id: int) -> bool:
+        if key in self._page_by_key or page_id in self._key_by_page:
+            return False
+        self._page_by_key[key] = page_id
+        self._key_by_page[page_id] = key
+        return True
+
+    def park(self, page_id: int) -> None:
+        self._parked[page_id] = None
+        self._parked.move_to_end(page_id)
+
+    def unpark(self, page_id: int) -> None:
+        self._parked.pop(page_id, None)
+
+    def evict_one(self) -> int | None:
+        if not self._parked:
+            return None
+        page_id, _ = self._parked.popitem(last=False)
+        key = self._key_by_page.pop(page_id)
+        del self._page_by_key[key]
+        return page_id
+
+    def clear_parked(self) -> list[int]:
+        """Forget every parked page (e.g. a cache reset); returns their ids."""
+        pages = []
+        while (page_id := self.evict_one()) is not None:
+            pages.append(page_id)
+        return pages

@@ -1,0 +1,134 @@
+"""The model's shape, read from a Hugging Face `config.json` and checked once, with errors that say what to fix."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+class ModelLoadError(Exception):
+    """A checkpoint that cannot be served; the message is one line that names the problem."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type plus its parameters
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    checkpoint_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not Path(model_dir).is_dir():
+            raise ModelLoadError(f"model directory {model_dir} does not exist")
+        if not path.is_file():
+            raise ModelLoadError(f"{path} is missing: a Hugging Face checkpoint directory needs config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path} must hold a JSON object")
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        arch = architectures[0] if architectures else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{source}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str, kind: type = int) -> Any:
+            value = raw.get(key)
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ModelLoadError(f"{source}: {key!r} must be a positive number, got {value!r}")
+            return kind(value)
+
+        hidden_size = need("hidden_size")
+        num_heads = need("num_attention_heads")
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ModelLoadError(f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        head_dim = raw.get("head_dim") or hidden_size // num_heads
+        rope_theta, rope_scaling = _rope_parameters(raw, source)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        sliding_window = raw.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+            sliding_window = None
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
+            raise ModelLoadError(f"{source}: hidden_act {hidden_act!r} is not supported (silu, gelu)")
+        return cls(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(sliding_window) if sliding_window else None,
+            hidden_act=hidden_act,
+            checkpoint_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_parameters(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
+    # transformers 5 writes `rope_parameters` (theta inside); older checkpoints use rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    legacy = raw.get("rope_scaling") or {}
+    if legacy:
+        params = {**legacy, **params}
+    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type != "default" and rope_type != "dynamic" and "factor" not in params and rope_type != "yarn":
+        raise ModelLoadError(f"{source}: rope scaling {rope_type!r} needs a 'factor'")
+    if rope_type in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 4096))
+    params["rope_type"] = rope_type
+    return theta, params

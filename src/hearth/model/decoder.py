@@ -1,0 +1,48 @@
+"""The Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3): one module, switched by the config's flags."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hearth.model.config import ModelConfig
+from hearth.model.layers import DecoderLayer, RMSNorm
+from hearth.model.rotary import build_cos_sin_table
+from hearth.ops.attention import AttentionContext
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Knows nothing of requests: token ids, positions and one attention context in; logits out."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("cos_sin", build_cos_sin_table(config, max_positions), persistent=False)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Returns float32 logits for the rows in `logits_indices` only (the tokens that get sampled)."""
+        hidden = self.model.embed_tokens(token_ids)
+        cos, sin = self.cos_sin[positions].to(hidden.dtype).chunk(2, dim=-1)
+        for layer, kv in zip(self.model.layers, kv_layers):
+            hidden = layer(hidden, cos, sin, kv, ctx)
+        hidden = self.model.norm(hidden[logits_indices])
+        return self.lm_head(hidden).float()

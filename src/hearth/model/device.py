@@ -1,0 +1,34 @@
+"""Which dtype to compute in on this machine."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_NAMED = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@functools.cache
+def cpu_has_native_half_math() -> bool:
+    """bf16/fp16 matmuls on a CPU without AVX512-BF16/AMX/FP16 units are emulated and many times slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype, except that on a CPU without native half math it computes in float32."""
+    if requested != "auto":
+        return _NAMED[requested]
+    dtype = _NAMED.get(checkpoint_dtype.removeprefix("torch."), torch.float32)
+    if dtype != torch.float32 and not torch.cuda.is_available() and not cpu_has_native_half_math():
+        logger.info("dtype auto: this CPU has no native %s math; computing in float32", checkpoint_dtype)
+        return torch.float32
+    return dtype

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
+    """Builds (and caches per session) tiny random checkpoints: factory(arch, **config_overrides) -> Path."""
+    cache: dict[str, Path] = {}
+
+    def factory(arch: str = "llama", **overrides) -> Path:
+        key = arch + repr(sorted(overrides.items()))
+        if key not in cache:
+            cache[key] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
