@@ -123,7 +123,9 @@ class AsyncEngine:
                 self._deliver(output)
             return
         try:
-            self.engine.add_request(command.prompt_token_ids, command.params, command.request_id, command.cache_salt)
+            self.engine.add_request(
+                command.prompt_token_ids, command.params, command.request_id, command.cache_salt
+            )
         except Exception as exc:  # validation errors go back to the caller
             command.loop.call_soon_threadsafe(_set_exception, command.accepted, exc)
             return

@@ -47,20 +47,41 @@ class EngineConfig:
     @staticmethod
     def add_cli_arguments(parser: argparse.ArgumentParser, require_model: bool = False) -> None:
         group = parser.add_argument_group("engine")
-        group.add_argument("--model", required=require_model, default=None, help="Hugging Face checkpoint directory")
-        group.add_argument("--served-model-name", default=None, help="model name in the API (default: directory name)")
-        group.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                           help="weights/activations dtype; auto = the checkpoint's (float32 on CPUs without bf16/fp16 math)")
-        group.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, default=1.0,
-                           help="memory for the KV cache, GiB")
+        group.add_argument(
+            "--model", required=require_model, default=None, help="Hugging Face checkpoint directory"
+        )
+        group.add_argument(
+            "--served-model-name", default=None, help="model name in the API (default: directory name)"
+        )
+        group.add_argument(
+            "--dtype",
+            default="auto",
+            choices=DTYPE_CHOICES,
+            help="weights/activations dtype; auto = the checkpoint's (float32 on CPUs without bf16/fp16 math)",
+        )
+        group.add_argument(
+            "--kv-cache-memory",
+            dest="kv_cache_memory_gib",
+            type=float,
+            default=1.0,
+            help="memory for the KV cache, GiB",
+        )
         group.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-        group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step")
+        group.add_argument(
+            "--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step"
+        )
         group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
         group.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-        group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                           help="turn prefix caching off")
+        group.add_argument(
+            "--no-prefix-caching",
+            dest="enable_prefix_caching",
+            action="store_false",
+            help="turn prefix caching off",
+        )
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
-        group.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+        group.add_argument(
+            "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)"
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:

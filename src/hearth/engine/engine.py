@@ -16,7 +16,7 @@ import torch
 from hearth.engine.config import EngineConfig
 from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.outputs import RequestOutput, TokenLogprob
-from hearth.engine.request import Request, RequestStatus
+from hearth.engine.request import Request
 from hearth.engine.runner import ModelRunner
 from hearth.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
@@ -80,7 +80,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.pool, self.model_config.sliding_window)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
-        self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids)
+        # The embedding may be padded past the tokenizer's ids; those columns are never sampled.
+        sample_vocab = min(self.model_config.vocab_size, self.tokenizer.vocab_size)
+        self.sampler = Sampler(sample_vocab, self.eos_token_ids)
         torch.manual_seed(config.seed)
         self._kv_layout_tag = layout.describe()
         self._requests: dict[str, Request] = {}
@@ -89,8 +91,13 @@ class Engine:
         self._totals = {"prompt": 0, "cached": 0, "generated": 0, "preempted": 0}
         logger.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
-            num_pages, config.page_size, self.num_kv_tokens, num_pages * layout.bytes_per_page / GIB,
-            str(self.dtype).removeprefix("torch."), self.max_model_len, time.perf_counter() - started,
+            num_pages,
+            config.page_size,
+            self.num_kv_tokens,
+            num_pages * layout.bytes_per_page / GIB,
+            str(self.dtype).removeprefix("torch."),
+            self.max_model_len,
+            time.perf_counter() - started,
         )
 
     def _max_model_len(self, num_kv_tokens: int) -> int:
@@ -101,7 +108,9 @@ class Engine:
             limit = max(limit, int(original * factor))
         if self.config.max_model_len is not None:
             if self.config.max_model_len > limit:
-                raise ModelLoadError(f"--max-model-len {self.config.max_model_len} exceeds the model's {limit} positions")
+                raise ModelLoadError(
+                    f"--max-model-len {self.config.max_model_len} exceeds the model's {limit} positions"
+                )
             limit = self.config.max_model_len
         return min(limit, num_kv_tokens)
 
@@ -120,7 +129,9 @@ class Engine:
         if not prompt_token_ids:
             raise InvalidParamError("prompt", "the prompt is empty")
         if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
-            raise InvalidParamError("prompt", f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+            raise InvalidParamError(
+                "prompt", f"prompt token ids must be in [0, {self.model_config.vocab_size})"
+            )
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidParamError(
                 "prompt",
@@ -141,7 +152,9 @@ class Engine:
             arrival_index=next(self._arrivals),
             max_model_len=self.max_model_len,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
-            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None,
+            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output)
+            if params.stop
+            else None,
             generator=make_generator(params.seed) if params.seed is not None else None,
         )
         self._requests[request_id] = request
@@ -197,7 +210,9 @@ class Engine:
                 outputs.append(output)
         return outputs
 
-    def _append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None) -> RequestOutput | None:
+    def _append_token(
+        self, request: Request, token_id: int, logprob: TokenLogprob | None
+    ) -> RequestOutput | None:
         params = request.params
         request.token_ids.append(token_id)
         request.output_token_ids.append(token_id)
@@ -233,10 +248,22 @@ class Engine:
         )
 
     def _finish(
-        self, request: Request, new_token_ids: list[int], text: str, new_logprobs: list[TokenLogprob] | None = None
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        text: str,
+        new_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
-        if request.stop_matcher is not None and not (request.finish_reason == "stop" and isinstance(request.stop_reason, str)):
-            text += request.stop_matcher.flush()
+        if not (request.finish_reason == "stop" and isinstance(request.stop_reason, str)):
+            # Release what was held back: an incomplete character, or a possible start of a stop string.
+            tail = request.detokenizer.flush() if request.detokenizer is not None else ""
+            if request.stop_matcher is not None:
+                emitted, matched = request.stop_matcher.feed(tail)
+                text += emitted if matched is not None else emitted + request.stop_matcher.flush()
+                if matched is not None and request.finish_reason != "abort":
+                    request.finish_reason, request.stop_reason = "stop", matched
+            else:
+                text += tail
         request.output_text += text
         self.scheduler.finish(request)
         del self._requests[request.request_id]

@@ -40,39 +40,37 @@ class ModelRunner:
             torch.tensor(logits_indices, dtype=torch.long),
         )
 
-    def _slots(self, page_ids: list[int], start: int, end: int) -> torch.Tensor:
-        pages = torch.tensor(page_ids, dtype=torch.long)
-        positions = torch.arange(start, end)
-        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
-
     def _attention_context(self, batch: list[ScheduledRequest]) -> AttentionContext:
         page_size = self.page_size
         decodes = [item for item in batch if item.num_new_tokens == 1]
         slot_parts: list[torch.Tensor] = []
-        ctx = AttentionContext(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(decodes))
+        ctx = AttentionContext(
+            slot_mapping=torch.empty(0, dtype=torch.long), page_size=page_size, num_decode_tokens=len(decodes)
+        )
         if decodes:
             context_lens = torch.tensor([item.request.num_computed_tokens + 1 for item in decodes])
             max_pages = max(len(item.request.page_ids) for item in decodes)
             table = torch.zeros(len(decodes), max_pages, dtype=torch.long)
             for row, item in enumerate(decodes):
                 table[row, : len(item.request.page_ids)] = torch.tensor(item.request.page_ids)
-            max_len = int(context_lens.max())
-            positions = torch.arange(max_len)
-            slots = table[:, positions // page_size] * page_size + positions % page_size
+            positions = torch.arange(max_pages * page_size)
             mask = positions[None, :] < context_lens[:, None]
             if self.sliding_window is not None:
                 mask &= positions[None, :] > (context_lens[:, None] - 1 - self.sliding_window)
-            ctx.decode_kv_slots = slots
+            ctx.decode_page_table = table
             ctx.decode_mask = mask[:, None, None, :]
             last = context_lens - 1
-            slot_parts.append(table.gather(1, (last // page_size)[:, None]).squeeze(1) * page_size + last % page_size)
+            slot_parts.append(
+                table.gather(1, (last // page_size)[:, None]).squeeze(1) * page_size + last % page_size
+            )
         row = len(decodes)
         for item in batch[len(decodes) :]:
             request = item.request
             start = request.num_computed_tokens
             end = start + item.num_new_tokens
-            kv_slots = self._slots(request.page_ids, 0, end)
-            slot_parts.append(kv_slots[start:end])
+            page_ids = torch.tensor(request.page_ids[: -(-end // page_size)], dtype=torch.long)
+            positions = torch.arange(start, end)
+            slot_parts.append(page_ids[positions // page_size] * page_size + positions % page_size)
             mask = None
             window_bites = self.sliding_window is not None and end > self.sliding_window
             if start > 0 or window_bites:
@@ -81,7 +79,7 @@ class ModelRunner:
                 mask = key_pos <= query_pos
                 if window_bites:
                     mask &= key_pos > query_pos - self.sliding_window
-            ctx.prefills.append(PrefillChunk(row, item.num_new_tokens, kv_slots, mask))
+            ctx.prefills.append(PrefillChunk(row, item.num_new_tokens, page_ids, end, mask))
             row += item.num_new_tokens
         ctx.slot_mapping = torch.cat(slot_parts) if slot_parts else ctx.slot_mapping
         return ctx

@@ -61,16 +61,27 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise InvalidParamError(name, f"{name} must be a finite number, got {value!r}")
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             finite(name, getattr(self, name))
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise InvalidParamError("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise InvalidParamError(
+                "max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}"
+            )
         if self.temperature < 0:
             raise InvalidParamError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidParamError("top_k", f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+            raise InvalidParamError(
+                "top_k", f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}"
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParamError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -79,7 +79,9 @@ class ModelConfig:
         num_heads = need("num_attention_heads")
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
-            raise ModelLoadError(f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+            raise ModelLoadError(
+                f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )
         head_dim = raw.get("head_dim") or hidden_size // num_heads
         rope_theta, rope_scaling = _rope_parameters(raw, source)
         eos = raw.get("eos_token_id")

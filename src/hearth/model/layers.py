@@ -41,7 +41,9 @@ class Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -67,7 +69,7 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin)
         k_pool, v_pool = kv
         write_kv(k_pool, v_pool, ctx.slot_mapping, k, v)
-        out = paged_attention(q, k_pool, v_pool, ctx, self.scale)
+        out = paged_attention(q, k_pool, v_pool, ctx, self.scale, ctx.page_size)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

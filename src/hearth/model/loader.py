@@ -39,7 +39,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {model_dir} (only safetensors checkpoints are supported)")
+        raise ModelLoadError(
+            f"no *.safetensors weights in {model_dir} (only safetensors checkpoints are supported)"
+        )
     return files
 
 
@@ -94,7 +96,9 @@ def load_model(
                         offsets = _shard_offsets(config, target.rsplit(".", 1)[0])
                         start, end = offsets[shard], offsets[shard + 1]
                         if tensor.shape[0] != end - start or tensor.shape[1:] != param.shape[1:]:
-                            raise ModelLoadError(f"{path.name}: {name} has shape {tuple(tensor.shape)}, config disagrees")
+                            raise ModelLoadError(
+                                f"{path.name}: {name} has shape {tuple(tensor.shape)}, config disagrees"
+                            )
                         param[start:end].copy_(tensor)
                         loaded.add(f"{target}#{shard}")
                 if bar is not None:

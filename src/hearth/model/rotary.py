@@ -31,7 +31,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(base: float, dim: int, params: dict, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(
+    base: float, dim: int, params: dict, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
     original_max = params["original_max_position_embeddings"]
     factor = params.get("factor") or max_position_embeddings / original_max
 

@@ -1,8 +1,9 @@
 """Paged attention in plain torch: the reference implementation, and the CPU path.
 
-Keys and values live in slot-addressed pools (`[num_slots, kv_heads, head_dim]`); a batch is decode
-rows (one query token each, batched together) followed by prefill chunks (attended one by one,
-since their lengths differ). The attention context carries the precomputed slot indices.
+Keys and values live in slot-addressed pools (`[num_slots, kv_heads, head_dim]`, slot = page *
+page_size + offset); a batch is decode rows (one query token each, batched together) followed by
+prefill chunks (attended one by one, since their lengths differ). Keys are gathered a whole page at
+a time (`index_select` of page-sized rows), several times faster on CPU than a gather per slot.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 class PrefillChunk:
     query_start: int  # row of the chunk's first token in the flat batch
     query_len: int
-    kv_slots: torch.Tensor  # long [context_len]: slots of every key the chunk attends to, in position order
+    page_ids: torch.Tensor  # long [num_pages]: the pages holding the chunk's context, in position order
+    context_len: int
     mask: torch.Tensor | None  # bool [query_len, context_len] (True = attend), None when plain causal
 
 
@@ -26,19 +28,36 @@ class AttentionContext:
     """One step's attention metadata, shared by every layer."""
 
     slot_mapping: torch.Tensor  # long [num_tokens]: where each new token's K/V is written
+    page_size: int
     num_decode_tokens: int = 0  # the first rows of the batch, one token per request
-    decode_kv_slots: torch.Tensor | None = None  # long [num_decodes, max_context_len]
-    decode_mask: torch.Tensor | None = None  # bool [num_decodes, 1, 1, max_context_len] (True = attend)
+    decode_page_table: torch.Tensor | None = None  # long [num_decodes, max_pages] (padding: any valid page)
+    decode_mask: torch.Tensor | None = None  # bool [num_decodes, 1, 1, max_pages * page_size] (True = attend)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     k_pool.index_copy_(0, slot_mapping, k.to(k_pool.dtype))
     v_pool.index_copy_(0, slot_mapping, v.to(v_pool.dtype))
 
 
+def gather_pages(pool: torch.Tensor, page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
+    """`[*page_ids.shape[:-1], num_pages * page_size, kv_heads, head_dim]` from a slot-addressed pool."""
+    num_slots, kv_heads, head_dim = pool.shape
+    rows = pool.view(num_slots // page_size, page_size * kv_heads * head_dim).index_select(
+        0, page_ids.flatten()
+    )
+    return rows.view(*page_ids.shape[:-1], page_ids.shape[-1] * page_size, kv_heads, head_dim)
+
+
 def paged_attention(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ctx: AttentionContext, scale: float
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    ctx: AttentionContext,
+    scale: float,
+    page_size: int,
 ) -> torch.Tensor:
     """q `[num_tokens, heads, head_dim]` -> output `[num_tokens, heads, head_dim]`; K/V already written."""
     out = torch.empty_like(q)
@@ -46,8 +65,8 @@ def paged_attention(
     enable_gqa = num_heads != k_pool.shape[1]
     if ctx.num_decode_tokens:
         n = ctx.num_decode_tokens
-        keys = k_pool[ctx.decode_kv_slots].to(q.dtype).transpose(1, 2)  # [n, kv_heads, ctx, dim]
-        values = v_pool[ctx.decode_kv_slots].to(q.dtype).transpose(1, 2)
+        keys = gather_pages(k_pool, ctx.decode_page_table, page_size).to(q.dtype).transpose(1, 2)
+        values = gather_pages(v_pool, ctx.decode_page_table, page_size).to(q.dtype).transpose(1, 2)
         query = q[:n].unsqueeze(2)  # [n, heads, 1, dim]
         attended = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=ctx.decode_mask, scale=scale, enable_gqa=enable_gqa
@@ -55,8 +74,10 @@ def paged_attention(
         out[:n] = attended.squeeze(2)
     for chunk in ctx.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        keys = k_pool[chunk.kv_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
-        values = v_pool[chunk.kv_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        keys = gather_pages(k_pool, chunk.page_ids, page_size)[: chunk.context_len].to(q.dtype)
+        values = gather_pages(v_pool, chunk.page_ids, page_size)[: chunk.context_len].to(q.dtype)
+        keys = keys.transpose(0, 1).unsqueeze(0)
+        values = values.transpose(0, 1).unsqueeze(0)
         query = q[rows].transpose(0, 1).unsqueeze(0)
         attended = F.scaled_dot_product_attention(
             query,

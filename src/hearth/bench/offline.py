@@ -1,0 +1,74 @@
+"""`hearth bench offline`: engine throughput on random-token prompts, no HTTP in the way.
+
+Mirrors vLLM's offline throughput benchmark: N prompts of I random token ids, O output tokens each,
+greedy with EOS ignored, all submitted at once; the engine batches them as its limits allow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hearth.engine.config import EngineConfig
+
+    EngineConfig.add_cli_arguments(parser, require_model=True)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--output-json", type=Path, default=None, help="write the result here")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    from hearth import LLM, SamplingParams
+    from hearth.engine.config import EngineConfig
+
+    config = EngineConfig.from_cli_args(args)
+    llm = LLM(config.model, **{k: v for k, v in vars(config).items() if k != "model"})
+    ready_s = time.perf_counter() - started
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(args.prompt_seed)
+    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    llm.engine.kv.reset_prefix_cache()
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params)
+    elapsed_s = time.perf_counter() - t0
+    output_tokens = sum(len(r.token_ids) for r in results)
+    input_tokens = sum(r.prompt_tokens for r in results)
+    peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    result = {
+        "model": config.model,
+        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "max_num_seqs": config.max_num_seqs,
+        "num_threads": config.resolved_num_threads,
+        "elapsed_s": round(elapsed_s, 3),
+        "output_throughput_tok_s": round(output_tokens / elapsed_s, 1),
+        "total_throughput_tok_s": round((output_tokens + input_tokens) / elapsed_s, 1),
+        "requests_per_s": round(len(results) / elapsed_s, 3),
+        "ready_s": round(ready_s, 2),
+        "peak_rss_gib": round(peak_rss_gib, 3),
+        "kv_cache_memory_gib": config.kv_cache_memory_gib,
+        "num_preemptions": llm.engine.stats().num_preemptions_total,
+    }
+    print(
+        f"output {result['output_throughput_tok_s']:.1f} tok/s, total {result['total_throughput_tok_s']:.1f} tok/s, "
+        f"{result['requests_per_s']:.2f} req/s, ready in {ready_s:.2f} s, peak RSS {peak_rss_gib:.2f} GiB "
+        f"({args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, max {config.max_num_seqs} seqs, "
+        f"{result['dtype']})"
+    )
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,0 +1,84 @@
+"""The async front: streaming per step, abort frees pages, validation errors reach the caller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hearth.engine.async_engine import AsyncEngine
+from hearth.engine.config import EngineConfig
+from hearth.engine.sampling_params import InvalidParamError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", page_size=4))
+    yield engine
+    engine.shutdown()
+
+
+async def test_streams_one_output_per_token_and_matches_offline(engine):
+    prompt = list(range(10, 30))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = [o async for o in engine.generate(prompt, params, "stream-1")]
+    assert len(outputs) == 12
+    assert all(len(o.new_token_ids) == 1 for o in outputs)
+    assert outputs[-1].finish_reason == "length" and not any(o.finished for o in outputs[:-1])
+    assert outputs[-1].completion_tokens == 12 and outputs[-1].prompt_tokens == 20
+    streamed = [t for o in outputs for t in o.new_token_ids]
+    again = [t async for o in engine.generate(prompt, params, "stream-2") for t in o.new_token_ids]
+    assert streamed == again
+
+
+async def test_concurrent_requests_all_finish(engine):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def one(i: int) -> int:
+        return sum([len(o.new_token_ids) async for o in engine.generate([i + 5] * (i + 3), params, f"c-{i}")])
+
+    counts = await asyncio.gather(*(one(i) for i in range(16)))
+    assert counts == [6] * 16
+
+
+async def test_closing_the_stream_aborts_and_frees_pages(engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    stream = engine.generate(list(range(50, 90)), params, "to-abort")
+    async for _ in stream:
+        break
+    await stream.aclose()
+    for _ in range(100):
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.kv_pages_used == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert stats.num_running == 0 and stats.kv_pages_used == 0
+
+
+async def test_explicit_abort_ends_the_stream_with_abort(engine):
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    outputs = []
+
+    async def consume():
+        async for o in engine.generate(list(range(60, 70)), params, "abort-me"):
+            outputs.append(o)
+
+    task = asyncio.create_task(consume())
+    while not outputs:
+        await asyncio.sleep(0.005)
+    await engine.abort("abort-me")
+    await asyncio.wait_for(task, 10)
+    assert outputs[-1].finish_reason == "abort"
+    assert len(outputs) < 500
+
+
+async def test_prompt_longer_than_context_is_rejected(engine):
+    with pytest.raises(InvalidParamError) as info:
+        async for _ in engine.generate([5] * (engine.max_model_len + 1), SamplingParams(), "too-long"):
+            pass
+    assert info.value.param == "prompt"
+    # the engine keeps serving
+    outs = [
+        o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), "after")
+    ]
+    assert outs[-1].finished
