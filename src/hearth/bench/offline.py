@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument(
+        "--prompts-file", type=Path, default=None, help="JSON list of token-id lists (same prompts as a peer's run)"
+    )
     parser.add_argument("--output-json", type=Path, default=None, help="write the result here")
 
 
@@ -35,7 +38,10 @@ def run(args: argparse.Namespace) -> int:
     ready_s = time.perf_counter() - started
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(args.prompt_seed)
-    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    if args.prompts_file is not None:
+        prompts = [list(p)[: args.input_len] for p in json.loads(args.prompts_file.read_text())][: args.num_prompts]
+    else:
+        prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     llm.engine.kv.reset_prefix_cache()
@@ -48,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "model": config.model,
         "dtype": str(llm.engine.dtype).removeprefix("torch."),
-        "num_prompts": args.num_prompts,
+        "num_prompts": len(prompts),
         "input_len": args.input_len,
         "output_len": args.output_len,
         "max_num_seqs": config.max_num_seqs,
@@ -61,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         "peak_rss_gib": round(peak_rss_gib, 3),
         "kv_cache_memory_gib": config.kv_cache_memory_gib,
         "num_preemptions": llm.engine.stats().num_preemptions_total,
+        "first_out_ids_prompt0": results[0].token_ids[:8],
     }
     print(
         f"output {result['output_throughput_tok_s']:.1f} tok/s, total {result['total_throughput_tok_s']:.1f} tok/s, "
