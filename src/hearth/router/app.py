@@ -1,0 +1,481 @@
+"""The router's HTTP front: aiohttp server in, aiohttp client out.
+
+The request path is kept in one place and in plain sight: parse -> estimate -> choose -> record
+the placement -> forward -> relay. Mixed requests forward the client's bytes untouched; only PD
+requests are re-serialized (their bodies gain the protocol's fields).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from hearth.router.config import RouterConfig
+from hearth.router.errors import error_response, sse_error_event
+from hearth.router.health import HealthChecker
+from hearth.router.metrics import RouterMetrics
+from hearth.router.pd import PDAdapter, PDPair, make_pd_adapter
+from hearth.router.policies import RouteRequest, RoutingPolicy, TokenAwarePolicy, make_policy
+from hearth.router.prefix_index import CharBlockKeyer, PrefixKeyer, TokenPageKeyer
+from hearth.router.tokens import (
+    TokenEstimator,
+    make_estimator,
+    max_output_tokens,
+    prompt_text,
+    prompt_token_ids,
+)
+from hearth.router.usage import (
+    SSESplitter,
+    cached_tokens_of,
+    event_has_usage,
+    rewrite_event,
+    rewrite_json_body,
+    usage_from_body,
+)
+from hearth.router.workers import Ticket, Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+FORWARDED_HEADERS = ("authorization", "x-request-id", "x-session-affinity")
+RETURNED_HEADERS = ("x-request-id",)
+# Errors that mean the worker never answered: the request can go elsewhere.
+CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
+
+
+class UpstreamFailed(Exception):
+    """A worker failed before sending its first byte."""
+
+
+class Router:
+    def __init__(self, config: RouterConfig, pool: WorkerPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.policy: RoutingPolicy = make_policy(config.policy, config.balance)
+        self.decode_policy = TokenAwarePolicy(config.balance)
+        self.adapter: PDAdapter = make_pd_adapter(config.pd_protocol)
+        self.estimator: TokenEstimator = make_estimator(config.tokenizer_dir)
+        self.keyer: PrefixKeyer = (
+            TokenPageKeyer(config.model_id, config.page_size)
+            if config.tokenizer_dir
+            else CharBlockKeyer(block_chars=config.page_size * 16)
+        )
+        self.metrics = RouterMetrics(pool)
+        self.session: aiohttp.ClientSession | None = None
+        self.health: HealthChecker | None = None
+        # Strong references to tasks nobody awaits (the loop keeps only weak ones).
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s
+        )
+        # The client's encoding passes through: no decompression, no cookie jar.
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        )
+        self.health = HealthChecker(
+            self.pool, self.session, self.config.health_interval_s, self.config.health_timeout_s
+        )
+        self.health.start()
+
+    async def close(self, app: web.Application) -> None:
+        if self.health is not None:
+            await self.health.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app[ROUTER_KEY] = self
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.close)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.healthz)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/admin/workers", self.admin_list)
+        app.router.add_post("/admin/workers", self.admin_add)
+        app.router.add_delete("/admin/workers", self.admin_remove)
+        return app
+
+    # ---- the request path ------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        received_s = time.perf_counter()
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return error_response("request body is not valid JSON", 400)
+        if not isinstance(body, dict):
+            return error_response("request body must be a JSON object", 400)
+        route = self._route_request(body, request.headers.get("x-session-affinity"))
+        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        headers["content-type"] = "application/json"
+        stream = bool(body.get("stream"))
+        if self.pool.healthy("prefill") and self.pool.healthy("decode"):
+            return await self._generate_pd(request, body, route, headers, stream, received_s)
+        return await self._generate_mixed(request, raw, route, headers, stream, received_s)
+
+    def _route_request(self, body: dict[str, Any], session_key: str | None) -> RouteRequest:
+        text = prompt_text(body)
+        token_ids = prompt_token_ids(body)
+        if token_ids is None and self.config.tokenizer_dir:
+            token_ids = self.estimator.encode(text)
+        prompt_tokens = len(token_ids) if token_ids is not None else self.estimator.count(text)
+        salt = body.get("cache_salt")
+        keys = self.keyer.keys(text, token_ids, salt if isinstance(salt, str) else None)
+        return RouteRequest(prompt_tokens, keys, self.keyer.tokens_per_key, session_key)
+
+    def _place(self, route: RouteRequest, workers: list[Worker], policy: RoutingPolicy) -> tuple[Worker, int]:
+        """Choose a worker and record the choice in its prefix index; returns it and its uncached tokens."""
+        decision = policy.choose(route, workers)
+        self.metrics.decided(decision.reason)
+        worker = decision.worker
+        matched_tokens = decision.matched_tokens or min(
+            worker.prefix.match_blocks(route.block_keys) * route.tokens_per_key, route.prompt_tokens
+        )
+        worker.prefix.insert(route.block_keys)
+        return worker, route.prompt_tokens - matched_tokens
+
+    async def _generate_mixed(
+        self,
+        request: web.Request,
+        raw: bytes,
+        route: RouteRequest,
+        headers: dict[str, str],
+        stream: bool,
+        received_s: float,
+    ) -> web.StreamResponse:
+        tried: set[str] = set()
+        errors: list[str] = []
+        for attempt in range(2):
+            workers = self.pool.healthy("mixed")
+            if tried:
+                workers = [w for w in workers if w.url not in tried]
+            if not workers:
+                break
+            if attempt:
+                self.metrics.retries.inc()
+            worker, uncached_tokens = self._place(route, workers, self.policy)
+            tried.add(worker.url)
+            ticket = worker.start(uncached_tokens, route.prompt_tokens)
+            self.metrics.added_latency.observe(time.perf_counter() - received_s)
+            try:
+                upstream = await self._send(worker, request.path, raw, headers, ticket)
+            except UpstreamFailed as exc:
+                errors.append(str(exc))
+                continue
+            return await self._relay(request, upstream, [ticket], stream)
+        cause = "; ".join(errors) or "no healthy worker"
+        return error_response(f"no worker could take the request: {cause}", 503, "no_worker")
+
+    async def _send(
+        self, worker: Worker, path: str, data: bytes, headers: dict[str, str], ticket: Ticket
+    ) -> aiohttp.ClientResponse:
+        """POST to a worker until its headers arrive; a failure before then releases the ticket."""
+        assert self.session is not None
+        self.metrics.request_sent(worker.url)
+        try:
+            upstream = await self.session.post(worker.endpoint(path), data=data, headers=headers)
+        except CONNECT_ERRORS as exc:
+            worker.finish(ticket)
+            self.metrics.errors.labels(worker.url, "connect").inc()
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                # Nothing listens there: out until the health checker sees it answer again. (A reset
+                # keep-alive connection says nothing about the worker, so it only costs a retry.)
+                self.pool.set_healthy(worker, False)
+            raise UpstreamFailed(f"{worker.url}: {type(exc).__name__}: {exc}") from exc
+        if upstream.status >= 500:
+            detail = (await upstream.read())[:200].decode(errors="replace")
+            upstream.release()
+            worker.finish(ticket)
+            self.metrics.errors.labels(worker.url, "status_5xx").inc()
+            raise UpstreamFailed(f"{worker.url} answered {upstream.status}: {detail}")
+        worker.last_ok_s = time.monotonic()
+        return upstream
+
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        tickets: list[Ticket],
+        stream: bool,
+        cached_tokens: Callable[[], Awaitable[int | None]] | None = None,
+    ) -> web.StreamResponse:
+        """Send the worker's answer to the client: chunk by chunk for SSE, whole otherwise.
+
+        `cached_tokens`, in PD mode, yields the prefill side's cached tokens to write into usage.
+        """
+        headers = {name: upstream.headers[name] for name in RETURNED_HEADERS if name in upstream.headers}
+        content_type = upstream.headers.get("content-type", "application/json")
+        is_sse = content_type.startswith("text/event-stream")
+        try:
+            if not is_sse:
+                try:
+                    body = await upstream.read()
+                except CONNECT_ERRORS + (aiohttp.ClientPayloadError,) as exc:
+                    self._count_error(tickets, "midstream")
+                    return error_response(f"worker failed while answering: {exc}", 502, "upstream_error")
+                if cached_tokens is not None and upstream.status == 200:
+                    cached = await cached_tokens()
+                    if cached is not None:
+                        body = rewrite_json_body(body, cached)
+                headers["content-type"] = content_type
+                return web.Response(status=upstream.status, body=body, headers=headers)
+            return await self._relay_stream(request, upstream, tickets, headers, cached_tokens)
+        finally:
+            upstream.release()
+            for ticket in tickets:
+                ticket.worker.finish(ticket)
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        tickets: list[Ticket],
+        headers: dict[str, str],
+        cached_tokens: Callable[[], Awaitable[int | None]] | None,
+    ) -> web.StreamResponse:
+        headers["content-type"] = "text/event-stream"
+        headers["cache-control"] = "no-cache"
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+        splitter = SSESplitter() if cached_tokens is not None else None
+        first = True
+        try:
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    first = False
+                    for ticket in tickets:
+                        ticket.worker.first_token(ticket)
+                if splitter is not None and cached_tokens is not None:
+                    chunk = await self._rewrite_chunk(splitter, chunk, cached_tokens)
+                    if not chunk:
+                        continue
+                await response.write(chunk)
+            if splitter is not None:
+                tail = splitter.flush()
+                if tail:
+                    await response.write(tail)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            return response  # the client left; releasing upstream aborts the worker's request
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self._count_error(tickets, "midstream")
+            log.warning("stream from %s broke: %r", tickets[-1].worker.url, exc)
+            try:
+                await response.write(sse_error_event(f"worker failed mid-stream: {type(exc).__name__}"))
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                return response
+        await response.write_eof()
+        return response
+
+    async def _rewrite_chunk(
+        self, splitter: SSESplitter, chunk: bytes, cached_tokens: Callable[[], Awaitable[int | None]]
+    ) -> bytes:
+        out: list[bytes] = []
+        for event in splitter.feed(chunk):
+            if event_has_usage(event):
+                cached = await cached_tokens()
+                if cached is not None:
+                    event = rewrite_event(event, cached)
+            out.append(event)
+        return b"".join(out)
+
+    def _count_error(self, tickets: list[Ticket], kind: str) -> None:
+        for ticket in tickets:
+            self.metrics.errors.labels(ticket.worker.url, kind).inc()
+
+    # ---- PD --------------------------------------------------------------------------------
+
+    async def _generate_pd(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        route: RouteRequest,
+        headers: dict[str, str],
+        stream: bool,
+        received_s: float,
+    ) -> web.StreamResponse:
+        headers.setdefault("x-request-id", secrets.token_hex(16))
+        tried: set[str] = set()
+        errors: list[str] = []
+        decode_route = RouteRequest(route.prompt_tokens, [], route.tokens_per_key, None)
+        context_tokens = route.prompt_tokens + max_output_tokens(body) // 2
+        for attempt in range(2):
+            prefills = [w for w in self.pool.healthy("prefill") if w.url not in tried]
+            decodes = [w for w in self.pool.healthy("decode") if w.url not in tried]
+            if not prefills or not decodes:
+                break
+            if attempt:
+                self.metrics.retries.inc()
+            prefill, uncached_tokens = self._place(route, prefills, self.policy)
+            decode, _ = self._place(decode_route, decodes, self.decode_policy)
+            pair = PDPair(prefill, decode)
+            prefill_ticket = prefill.start(uncached_tokens, 0)
+            # The decode side receives the prompt as KV: no prefill of its own, only context.
+            decode_ticket = decode.start(0, context_tokens)
+            prefill_data = json.dumps(self.adapter.prefill_body(body, pair)).encode()
+            self.metrics.added_latency.observe(time.perf_counter() - received_s)
+            prefill_task = asyncio.create_task(
+                self._run_prefill(prefill, request.path, prefill_data, headers, prefill_ticket)
+            )
+            try:
+                prefill_result: dict[str, Any] | None = None
+                if self.adapter.sequential:
+                    prefill_result = await prefill_task
+                    if prefill_result is None:
+                        tried.add(prefill.url)
+                        decode.finish(decode_ticket)
+                        errors.append(f"prefill worker {prefill.url} failed")
+                        continue
+                decode_data = json.dumps(self.adapter.decode_body(body, pair, prefill_result)).encode()
+                upstream = await self._send(decode, request.path, decode_data, headers, decode_ticket)
+            except UpstreamFailed as exc:
+                tried.add(decode.url)
+                prefill_task.cancel()
+                errors.append(str(exc))
+                continue
+
+            async def cached_tokens(task: asyncio.Task[dict[str, Any] | None] = prefill_task) -> int | None:
+                try:
+                    result = await asyncio.wait_for(asyncio.shield(task), self.config.prefill_usage_wait_s)
+                except (asyncio.TimeoutError, asyncio.CancelledError):
+                    return None
+                return cached_tokens_of(result.get("usage")) if result else None
+
+            try:
+                return await self._relay(request, upstream, [decode_ticket], stream, cached_tokens)
+            finally:
+                if not prefill_task.done():
+                    # The prefill answer is only needed for usage; let it finish on its own.
+                    self._background.add(prefill_task)
+                    prefill_task.add_done_callback(self._background.discard)
+        cause = "; ".join(errors) or "no healthy prefill/decode pair"
+        return error_response(f"no prefill/decode pair could take the request: {cause}", 503, "no_worker")
+
+    async def _run_prefill(
+        self, worker: Worker, path: str, data: bytes, headers: dict[str, str], ticket: Ticket
+    ) -> dict[str, Any] | None:
+        """The prefill side's answer as parsed JSON (usage, kv_transfer_params), or None if it failed."""
+        try:
+            upstream = await self._send(worker, path, data, headers, ticket)
+            try:
+                raw = await upstream.read()
+            finally:
+                upstream.release()
+        except UpstreamFailed as exc:
+            log.warning("PD prefill failed: %s", exc)
+            return None
+        except CONNECT_ERRORS + (aiohttp.ClientPayloadError,):
+            self.metrics.errors.labels(worker.url, "midstream").inc()
+            return None
+        finally:
+            worker.finish(ticket)
+        if upstream.status != 200:
+            self.metrics.errors.labels(worker.url, "status_4xx").inc()
+            return None
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            usage = usage_from_body(raw)  # an SSE answer (SGLang's prefill streams when asked to)
+            return {"usage": usage} if usage is not None else {}
+        return payload if isinstance(payload, dict) else {}
+
+    # ---- other endpoints -------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        assert self.session is not None
+        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        candidates = self.pool.healthy("mixed") + self.pool.healthy("decode") + self.pool.healthy("prefill")
+        for worker in candidates[:2]:
+            try:
+                async with self.session.get(worker.url + "/v1/models", headers=headers) as upstream:
+                    body = await upstream.read()
+                    if upstream.status >= 500:
+                        continue
+                    return web.Response(
+                        status=upstream.status,
+                        body=body,
+                        content_type="application/json",
+                    )
+            except CONNECT_ERRORS:
+                self.metrics.errors.labels(worker.url, "connect").inc()
+        return error_response("no healthy worker to list models", 503, "no_worker")
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        healthy = sum(1 for w in self.pool.workers.values() if w.healthy)
+        status = 200 if healthy else 503
+        return web.json_response(
+            {"healthy_workers": healthy, "workers": len(self.pool.workers)}, status=status
+        )
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    # ---- admin -----------------------------------------------------------------------------
+
+    def _admin_denied(self, request: web.Request) -> web.Response | None:
+        key = self.config.admin_key
+        if not key:
+            return error_response("admin endpoints are disabled: start the router with --admin-key", 403)
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return error_response("admin endpoints need 'Authorization: Bearer <admin key>'", 401)
+        return None
+
+    async def admin_list(self, request: web.Request) -> web.Response:
+        denied = self._admin_denied(request)
+        if denied is not None:
+            return denied
+        return web.json_response({"workers": [w.describe() for w in self.pool.workers.values()]})
+
+    async def admin_add(self, request: web.Request) -> web.Response:
+        denied = self._admin_denied(request)
+        if denied is not None:
+            return denied
+        try:
+            data = await request.json()
+            url, role = data["url"], data.get("role", "mixed")
+            bootstrap_port = data.get("bootstrap_port")
+            if not isinstance(url, str) or (
+                bootstrap_port is not None and not isinstance(bootstrap_port, int)
+            ):
+                raise TypeError("url must be a string and bootstrap_port an integer")
+            worker = self.pool.add(url, role, bootstrap_port)
+        except (ValueError, KeyError, TypeError) as exc:
+            return error_response(f"cannot add worker: {exc}", 400)
+        if self.health is not None:
+            task = asyncio.create_task(self.health.check(worker))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return web.json_response(worker.describe(), status=201)
+
+    async def admin_remove(self, request: web.Request) -> web.Response:
+        denied = self._admin_denied(request)
+        if denied is not None:
+            return denied
+        url = request.query.get("url")
+        if url is None:
+            try:
+                url = (await request.json())["url"]
+            except (ValueError, KeyError, TypeError):
+                return error_response("name the worker: DELETE /admin/workers?url=...", 400)
+        try:
+            worker = self.pool.remove(str(url))
+        except KeyError as exc:
+            return error_response(str(exc.args[0]), 404)
+        return web.json_response(worker.describe())

@@ -1,0 +1,127 @@
+"""`hearth route`: the router in front of pools of Hearth (or other OpenAI-compatible) servers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from hearth.router.config import RouterConfig
+from hearth.router.pd import PD_ADAPTERS
+from hearth.router.policies import POLICIES, BalanceConfig
+from hearth.router.workers import WorkerPool
+
+ADMIN_KEY_ENV = "HEARTH_ROUTER_ADMIN_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--worker", action="append", default=[], metavar="URL", help="a mixed server (repeat)"
+    )
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="URL [BOOTSTRAP_PORT]",
+        help="a prefill server, with SGLang's bootstrap port when --pd-protocol sglang (repeat)",
+    )
+    parser.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="a decode server (repeat)"
+    )
+    parser.add_argument("--policy", default="default", choices=sorted(POLICIES))
+    parser.add_argument("--pd-protocol", default="hearth", choices=sorted(PD_ADAPTERS))
+    parser.add_argument(
+        "--admin-key",
+        default=None,
+        help=f"key for /admin/workers (or ${ADMIN_KEY_ENV}); admin is off without it",
+    )
+    parser.add_argument("--tokenizer", default=None, metavar="DIR", help="directory with tokenizer.json")
+    parser.add_argument(
+        "--model-id", default="hearth", help="salt of the prefix keys when --tokenizer is given"
+    )
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per prefix-index block")
+    parser.add_argument("--prefix-index-blocks", type=int, default=65536, help="blocks remembered per worker")
+    parser.add_argument("--balance-rel", type=float, default=1.5, help="overloaded above this x mean load")
+    parser.add_argument(
+        "--balance-abs-tokens", type=int, default=8192, help="...and this many tokens above the least loaded"
+    )
+    parser.add_argument("--min-prefix-match-tokens", type=int, default=256)
+    parser.add_argument("--health-interval-s", type=float, default=0.5)
+    parser.add_argument("--health-timeout-s", type=float, default=1.0)
+    parser.add_argument("--read-timeout-s", type=float, default=600.0, help="longest silence from a worker")
+    parser.add_argument("--log-level", default="warning")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        pd_protocol=args.pd_protocol,
+        balance=BalanceConfig(
+            rel=args.balance_rel,
+            abs_tokens=args.balance_abs_tokens,
+            min_prefix_match_tokens=args.min_prefix_match_tokens,
+        ),
+        health_interval_s=args.health_interval_s,
+        health_timeout_s=args.health_timeout_s,
+        read_timeout_s=args.read_timeout_s,
+        admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
+        tokenizer_dir=args.tokenizer,
+        model_id=args.model_id,
+        page_size=args.page_size,
+        prefix_index_blocks=args.prefix_index_blocks,
+    )
+
+
+def pool_from_args(args: argparse.Namespace) -> WorkerPool:
+    pool = WorkerPool(prefix_blocks=args.prefix_index_blocks)
+    for url in args.worker:
+        pool.add(url, "mixed")
+    for entry in args.prefill:
+        if len(entry) > 2:
+            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {entry}")
+        pool.add(entry[0], "prefill", int(entry[1]) if len(entry) == 2 else None)
+    for url in args.decode:
+        pool.add(url, "decode")
+    if bool(args.prefill) != bool(args.decode):
+        raise ValueError("PD mode needs both --prefill and --decode servers")
+    return pool
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from hearth.router.app import Router
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+        pool = pool_from_args(args)
+        if config.pd_protocol == "sglang" and any(
+            w.role == "prefill" and w.bootstrap_port is None for w in pool.workers.values()
+        ):
+            raise ValueError("--pd-protocol sglang needs each prefill as --prefill URL BOOTSTRAP_PORT")
+        router = Router(config, pool)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"hearth route: {exc}")
+        return 2
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass  # the default loop works; uvloop only trims latency
+    print(
+        f"hearth route: listening on http://{config.host}:{config.port} "
+        f"({len(pool.workers)} workers, policy {config.policy})",
+        flush=True,
+    )
+    web.run_app(router.build_app(), host=config.host, port=config.port, access_log=None, print=None)
+    return 0

@@ -1,0 +1,29 @@
+"""The router's settings, one frozen dataclass filled from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hearth.router.policies import BalanceConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "default"
+    pd_protocol: str = "hearth"
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    # Health: a dead worker is out within interval + timeout (1.5 s with the defaults).
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 1.0
+    connect_timeout_s: float = 2.0
+    # Longest silence allowed from a worker while its response is in progress.
+    read_timeout_s: float = 600.0
+    admin_key: str | None = None
+    tokenizer_dir: str | None = None
+    model_id: str = "hearth"
+    page_size: int = 16
+    prefix_index_blocks: int = 65536
+    # Longest time to wait for the prefill side's usage before sending the decode side's as is.
+    prefill_usage_wait_s: float = 30.0

@@ -1,0 +1,104 @@
+"""Usage rewriting: JSON bodies, SSE events cut anywhere, and prompt text extraction."""
+
+from __future__ import annotations
+
+import json
+
+from hearth.router.tokens import (
+    CharEstimator,
+    TokenizerEstimator,
+    max_output_tokens,
+    prompt_text,
+    prompt_token_ids,
+)
+from hearth.router.usage import (
+    SSESplitter,
+    cached_tokens_of,
+    rewrite_event,
+    rewrite_json_body,
+    usage_from_body,
+)
+
+USAGE = {
+    "prompt_tokens": 100,
+    "completion_tokens": 5,
+    "total_tokens": 105,
+    "prompt_tokens_details": {"cached_tokens": 0},
+}
+
+
+def sse(payload: object) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def test_json_body_gets_the_given_cached_tokens_and_keeps_everything_else() -> None:
+    body = json.dumps({"id": "x", "choices": [{"text": "hi"}], "usage": USAGE}).encode()
+    out = json.loads(rewrite_json_body(body, 64))
+    assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 64}
+    assert out["usage"]["prompt_tokens"] == 100 and out["choices"] == [{"text": "hi"}]
+    no_details = json.dumps({"usage": {"prompt_tokens": 3}}).encode()
+    assert cached_tokens_of(json.loads(rewrite_json_body(no_details, 2))["usage"]) == 2
+    assert rewrite_json_body(b"not json", 5) == b"not json"
+
+
+def test_sse_split_at_any_byte_rewrites_only_the_usage_event() -> None:
+    stream = (
+        sse({"choices": [{"delta": {"content": "a"}}], "usage": None})
+        + sse({"choices": [{"delta": {"content": "b"}}]})
+        + sse({"choices": [], "usage": USAGE})
+        + b"data: [DONE]\n\n"
+    )
+    for cut in range(1, len(stream)):
+        splitter = SSESplitter()
+        events = splitter.feed(stream[:cut]) + splitter.feed(stream[cut:])
+        assert splitter.flush() == b""
+        out = b"".join(rewrite_event(e, 7) if b'"usage": {' in e else e for e in events)
+        parts = [p for p in out.split(b"\n\n") if p]
+        assert len(parts) == 4
+        assert json.loads(parts[2][6:])["usage"]["prompt_tokens_details"]["cached_tokens"] == 7
+        assert parts[0] == stream.split(b"\n\n")[0]
+
+
+def test_chunks_without_usage_pass_as_one_piece() -> None:
+    splitter = SSESplitter()
+    chunk = sse({"a": 1}) + sse({"b": 2})
+    assert splitter.feed(chunk) == [chunk]
+
+
+def test_usage_is_found_in_json_and_in_sse_answers() -> None:
+    assert usage_from_body(json.dumps({"usage": USAGE}).encode()) == USAGE
+    assert usage_from_body(sse({"usage": None}) + sse({"usage": USAGE}) + b"data: [DONE]\n\n") == USAGE
+    assert usage_from_body(b"garbage") is None
+
+
+def test_prompt_text_covers_tools_roles_and_content_parts() -> None:
+    body = {
+        "tools": [{"type": "function", "function": {"name": "search"}}],
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "find "}, {"type": "text", "text": "cats"}],
+            },
+        ],
+    }
+    text = prompt_text(body)
+    assert text.index("search") < text.index("be brief") < text.index("find cats")
+    assert prompt_text({"prompt": "plain"}) == "plain"
+    assert prompt_token_ids({"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert prompt_token_ids({"prompt": "plain"}) is None
+    assert max_output_tokens({"max_completion_tokens": 9, "max_tokens": 5}) == 9
+    assert max_output_tokens({}) == 256
+
+
+def test_estimators_count_tokens(tmp_path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    assert CharEstimator().count("x" * 41) == 11
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    estimator = TokenizerEstimator(tmp_path)
+    assert estimator.encode("hello world hello") == [1, 2, 1]
+    assert estimator.count("hello zebra") == 2
