@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server behind `hearth serve`: protocol, chat templates, tool calls, metrics."""

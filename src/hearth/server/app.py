@@ -1,0 +1,234 @@
+"""The FastAPI app: routes, API-key check, OpenAI-shaped errors, and loading the engine in the background so
+`/health` can say "loading" instead of refusing connections."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from hearth.server.admission import AdmissionController
+from hearth.server.chat_template import ChatTemplate, ChatTemplateError, normalize_messages
+from hearth.server.errors import APIError, bad_request, error_body, from_validation_error
+from hearth.server.metrics import ServerMetrics
+from hearth.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from hearth.server.serving_chat import create_chat_completion
+from hearth.server.serving_completion import create_completion
+from hearth.server.state import ServerConfig, ServerState
+from hearth.server.tool_parsers import get_tool_parser
+
+if TYPE_CHECKING:
+    from hearth.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("hearth.server")
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on `/v1/*`; health, metrics and load stay open for probes."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                response = APIError(
+                    "Incorrect or missing API key; send `Authorization: Bearer <key>`",
+                    401,
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                ).response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _parse(raw: Request, model: type[ModelT]) -> ModelT:
+    body = await raw.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+def _attach_engine(state: ServerState, engine: AsyncEngine, model_dir: str) -> None:
+    try:
+        state.chat_template = ChatTemplate.from_dir(model_dir, state.config.chat_template_path)
+        if state.tool_parser is not None:
+            state.tool_parser.adapt_to_template(state.chat_template.source)
+    except (ChatTemplateError, OSError) as exc:
+        state.chat_template_error = str(exc)
+        logger.warning("chat completions disabled: %s", exc)
+    state.engine = engine
+    logger.info(
+        "ready: serving %r, KV cache holds %d tokens, context %d tokens",
+        state.config.model_name,
+        engine.num_kv_tokens,
+        engine.max_model_len,
+    )
+
+
+def build_app(
+    config: ServerConfig,
+    engine_factory: Callable[[], AsyncEngine],
+    model_dir: str,
+    max_running_seqs: int,
+    on_load_failure: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """The app for one server. The engine is built by `engine_factory` in a thread once the app starts."""
+    state_box: dict[str, ServerState] = {}
+    metrics = ServerMetrics(config.model_name, lambda: state_box["state"].stats())
+    state = ServerState(
+        config=config,
+        metrics=metrics,
+        admission=AdmissionController(max_running_seqs, config.max_waiting_seqs),
+        tool_parser=get_tool_parser(config.tool_parser) if config.tool_parser else None,
+    )
+    state_box["state"] = state
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async def load() -> None:
+            try:
+                engine = await asyncio.to_thread(engine_factory)
+            except BaseException as exc:  # a model that fails to load ends the server with a message
+                state.load_error = str(exc)
+                logger.error("could not load the model: %s", exc)
+                if on_load_failure is not None:
+                    on_load_failure(exc)
+                return
+            _attach_engine(state, engine, model_dir)
+
+        loader = asyncio.create_task(load())
+        yield
+        state.admission.draining = True
+        if not loader.done():
+            loader.cancel()
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="Hearth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.hearth = state
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await create_chat_completion(state, await _parse(raw, ChatCompletionRequest), raw)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await create_completion(state, await _parse(raw, CompletionRequest), raw)
+
+    def model_card() -> dict[str, Any]:
+        max_model_len = state.engine.max_model_len if state.engine is not None else None
+        return {
+            "id": config.model_name,
+            "object": "model",
+            "created": state.created_s,
+            "owned_by": "hearth",
+            "root": model_dir,
+            "max_model_len": max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        state.check_model(model_id)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.load_error is not None:
+            return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/load")
+    async def load_report() -> dict[str, int]:
+        stats = state.stats()
+        return {
+            "running_requests": stats.num_running if stats else 0,
+            "waiting_requests": stats.num_waiting if stats else 0,
+            "prefill_tokens": state.load.prefill_tokens,
+            "decode_tokens": state.load.decode_tokens,
+            "kv_pages_used": stats.kv_pages_used if stats else 0,
+            "kv_pages_total": stats.kv_pages_total if stats else 0,
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> dict[str, Any]:
+        request = await _parse(raw, TokenizeRequest)
+        state.check_model(request.model)
+        engine = state.require_engine()
+        if request.messages is not None:
+            if state.chat_template is None:
+                raise bad_request(state.chat_template_error or "this model has no chat template", "messages")
+            tools = [tool.model_dump(exclude_unset=True) for tool in request.tools] if request.tools else None
+            try:
+                text = state.chat_template.render(
+                    normalize_messages([m.model_dump(exclude_unset=True) for m in request.messages]),
+                    tools=tools,
+                    add_generation_prompt=request.add_generation_prompt,
+                )
+            except ChatTemplateError as exc:
+                raise bad_request(str(exc), "messages") from exc
+            tokens = engine.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = engine.tokenizer.encode(
+                request.prompt or "", add_special_tokens=request.add_special_tokens
+            )
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> dict[str, Any]:
+        request = await _parse(raw, DetokenizeRequest)
+        state.check_model(request.model)
+        tokenizer = state.require_engine().tokenizer
+        if request.tokens and max(request.tokens) >= tokenizer.vocab_size:
+            raise bad_request(f"token ids must be below the vocabulary size {tokenizer.vocab_size}", "tokens")
+        return {"prompt": tokenizer.decode(request.tokens, skip_special_tokens=False)}
+
+    return app

@@ -1,0 +1,143 @@
+"""`hearth serve`: one engine behind the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+import hearth
+from hearth.engine.config import EngineConfig
+from hearth.server.tool_parsers import available_tool_parsers
+
+logger = logging.getLogger("hearth.server")
+
+DEFAULT_MODEL_DIR = Path(hearth.__file__).resolve().parents[2] / "models" / "demo"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    EngineConfig.add_cli_arguments(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("HEARTH_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $HEARTH_API_KEY)",
+    )
+    group.add_argument(
+        "--max-queued-requests",
+        dest="max_waiting_seqs",
+        type=int,
+        default=256,
+        help="sequences that may wait beyond --max-num-seqs before new requests get 429",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=[*available_tool_parsers(), "none"],
+        help="format of the model's tool calls (none: return the text as is)",
+    )
+    group.add_argument(
+        "--chat-template", default=None, help="a jinja file to use instead of the checkpoint's"
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        dest="shutdown_timeout_s",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The checkpoint to serve: `--model`, else the bundled demo model. Exits with a message if neither exists."""
+    if model is not None:
+        path = Path(model)
+        if not path.is_dir():
+            raise SystemExit(f"hearth serve: --model {model}: no such directory")
+        return path
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise SystemExit(
+            f"hearth serve: no default model exists yet ({DEFAULT_MODEL_DIR} is missing); "
+            "pass --model DIR with a Hugging Face checkpoint directory"
+        )
+    return DEFAULT_MODEL_DIR
+
+
+def _note_signal(signum: int, frame: FrameType | None) -> None:
+    logger.info("stopped by %s", signal.Signals(signum).name)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hearth.engine.async_engine import AsyncEngine
+    from hearth.server.app import build_app
+    from hearth.server.state import ServerConfig
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        model_dir = resolve_model_dir(args.model)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.max_waiting_seqs < 0:
+        print("hearth serve: --max-queued-requests must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        engine_config = EngineConfig.from_cli_args(args, model=str(model_dir), load_progress=True)
+    except ValueError as exc:
+        print(f"hearth serve: {exc}", file=sys.stderr)
+        return 2
+    server_config = ServerConfig(
+        model_name=engine_config.model_name,
+        api_key=args.api_key or None,
+        max_waiting_seqs=args.max_waiting_seqs,
+        tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        chat_template_path=args.chat_template,
+        aliases=(str(model_dir), str(model_dir.resolve()), model_dir.name),
+    )
+    failures: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_failure(exc: BaseException) -> None:
+        failures.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(
+        server_config,
+        lambda: AsyncEngine(engine_config),
+        str(model_dir),
+        engine_config.max_num_seqs,
+        on_load_failure,
+    )
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)),
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(uvicorn_config)
+    logger.info("loading %s (the API answers 503 until it is ready)", model_dir)
+    # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal to the handler that was
+    # installed before it; with this one the process then exits 0 rather than dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _note_signal)
+    server.run()
+    if failures:
+        print(f"hearth serve: could not load {model_dir}: {failures[0]}", file=sys.stderr)
+        return 1
+    return 0

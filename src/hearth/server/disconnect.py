@@ -1,0 +1,56 @@
+"""Clients that leave: their requests are aborted and everything they held is released."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+
+class StreamingResponseWithCleanup(StreamingResponse):
+    """A stream whose generator is closed (aborting its engine requests) and `on_close` called however the
+    response ends: finished, failed to send because the client left, or never started."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self._on_close()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(work: Awaitable[Response], raw: Request) -> Response:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client disconnects first.
+
+    A non-streaming request would otherwise keep generating for nobody until it finished.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # nobody reads it; the status is for the access log
+    return task.result()

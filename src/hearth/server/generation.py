@@ -1,0 +1,333 @@
+"""Shared by chat and completions: sampling params from a request, context checks, running n choices on the
+engine as one merged stream, per-request bookkeeping (admission, load, metrics), usage and logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from hearth.engine.outputs import RequestOutput, TokenLogprob
+from hearth.engine.sampling_params import InvalidParamError, SamplingParams
+from hearth.server.errors import APIError, bad_request
+from hearth.server.protocol import SamplingRequest
+from hearth.server.state import ServerState
+
+logger = logging.getLogger("hearth.server")
+
+T = TypeVar("T")
+
+
+LARGE_BODY_BYTES = 32_768
+
+
+def body_size_bytes(headers: Mapping[str, str]) -> int:
+    try:
+        return int(headers.get("content-length") or 0)
+    except ValueError:
+        return 0
+
+
+async def off_loop_if_large(body_bytes: int, work: Callable[[], T]) -> T:
+    """Run `work` (template rendering, tokenization) in a thread when the request is large.
+
+    A long agent history takes milliseconds to render and tokenize; on the event loop that would stall
+    every other stream's tokens. Small requests stay inline, where a thread hop would cost more than it saves.
+    """
+    if body_bytes < LARGE_BODY_BYTES:
+        return work()
+    return await asyncio.to_thread(work)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_tokens: int, max_model_len: int, default: int | None, prompt_param: str
+) -> int:
+    """The answer's token budget; a prompt or budget past the context is the client's error (400)."""
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, and the prompt has {prompt_tokens} "
+            "tokens, which leaves no room for an answer. Shorten the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise bad_request(
+            f"max_tokens is {requested}, but the prompt has {prompt_tokens} tokens and this model's maximum "
+            f"context length is {max_model_len} tokens; ask for at most {room}.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def sampling_params(
+    request: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    extra_stop: list[str] | None = None,
+    skip_special_tokens: bool | None = None,
+    choice_index: int = 0,
+) -> SamplingParams:
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    seed = request.seed
+    if seed is not None and choice_index:
+        seed += choice_index  # n seeded choices would otherwise all be the same answer
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            min_p=request.min_p or 0.0,
+            seed=seed,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            stop=stop + list(extra_stop or []),
+            stop_token_ids=list(request.stop_token_ids or []),
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens
+            if skip_special_tokens is None
+            else skip_special_tokens,
+            min_tokens=request.min_tokens,
+        )
+    except InvalidParamError as exc:
+        raise bad_request(str(exc), param=exc.param, code="invalid_value") from exc
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+@dataclass
+class _Choice:
+    request_id: str
+    prompt_tokens: int
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class Generation:
+    """One API request's engine requests (one per choice and prompt) and their bookkeeping.
+
+    `close()` releases everything exactly once, whether the request finished, failed, or the client left.
+    """
+
+    state: ServerState
+    request_id: str
+    prompts: list[list[int]]  # one token list per choice
+    params: list[SamplingParams]
+    cache_salt: str | None
+    prompt_index: list[int] | None = None  # which prompt each choice answers (n choices share one prompt)
+    arrival_s: float = field(default_factory=time.perf_counter)
+    _choices: list[_Choice] = field(default_factory=list)
+    _admitted: bool = False
+    _closed: bool = False
+
+    def __post_init__(self) -> None:
+        many = len(self.prompts) > 1
+        self._choices = [
+            _Choice(f"{self.request_id}-{i}" if many else self.request_id, len(prompt))
+            for i, prompt in enumerate(self.prompts)
+        ]
+
+    def admit(self) -> None:
+        try:
+            self.state.admission.acquire(len(self.prompts))
+        except APIError:
+            self.state.metrics.rejected.inc()
+            raise
+        self._admitted = True
+        for choice in self._choices:
+            self.state.load.start(choice.request_id, choice.prompt_tokens)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._admitted:
+            self.state.admission.release(len(self.prompts))
+        for choice in self._choices:
+            self.state.load.finish(choice.request_id)
+
+    def usage(self) -> dict[str, Any]:
+        """Usage as OpenAI counts it: each prompt once (its first choice's cache hits), every answer token."""
+        groups = self.prompt_index or [0] * len(self._choices)
+        firsts = {}
+        for group, choice in zip(groups, self._choices, strict=False):
+            firsts.setdefault(group, choice)
+        prompt_tokens = sum(choice.prompt_tokens for choice in firsts.values())
+        cached_tokens = sum(choice.cached_tokens for choice in firsts.values())
+        completion_tokens = sum(choice.completion_tokens for choice in self._choices)
+        return usage_dict(prompt_tokens, completion_tokens, cached_tokens)
+
+    def _observe(self, index: int, output: RequestOutput) -> None:
+        choice = self._choices[index]
+        now = time.perf_counter()
+        metrics = self.state.metrics
+        num_new = len(output.new_token_ids)
+        if num_new:
+            if choice.first_token_s is None:
+                choice.first_token_s = now
+                metrics.ttft_s.observe(now - self.arrival_s)
+            elif choice.last_token_s is not None:
+                gap_s = (now - choice.last_token_s) / num_new
+                for _ in range(num_new):
+                    metrics.inter_token_latency_s.observe(gap_s)
+            choice.last_token_s = now
+        choice.completion_tokens = output.completion_tokens
+        choice.cached_tokens = output.cached_tokens
+        choice.prompt_tokens = output.prompt_tokens
+        self.state.load.progress(choice.request_id, output.prompt_tokens + output.completion_tokens)
+        if output.finished:
+            choice.finished = True
+            self.state.load.finish(choice.request_id)
+            metrics.e2e_latency_s.observe(now - self.arrival_s)
+            metrics.request_finished(output.finish_reason or "unknown")
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every choice's outputs, merged in arrival order, as (choice index, output).
+
+        Leaving early (client gone, error) closes the engine streams, which aborts their requests.
+        """
+        engine = self.state.require_engine()
+        streams = [
+            engine.generate(prompt, params, choice.request_id, self.cache_salt)
+            for prompt, params, choice in zip(self.prompts, self.params, self._choices, strict=False)
+        ]
+        if len(streams) == 1:
+            stream = streams[0]
+            try:
+                async for output in stream:
+                    self._observe(0, output)
+                    yield 0, output
+            finally:
+                await stream.aclose()
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            except Exception as exc:  # delivered to the consumer, which decides
+                queue.put_nowait((index, exc))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                self._observe(index, item)
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task, stream in zip(tasks, streams, strict=False):
+                with contextlib.suppress(BaseException):
+                    await task
+                with contextlib.suppress(BaseException):
+                    await stream.aclose()  # type: ignore[attr-defined]
+
+
+def engine_failure(output: RequestOutput) -> APIError | None:
+    """An aborted or failed engine request, as the error the client should see."""
+    if output.finish_reason == "error":
+        return APIError(
+            f"the engine failed this request: {output.error or 'unknown error'}", 500, "internal_error"
+        )
+    if output.finish_reason == "abort":
+        return APIError(
+            f"the request was aborted: {output.error or 'aborted'}",
+            503,
+            "service_unavailable",
+            code="aborted",
+        )
+    return None
+
+
+def engine_error(exc: Exception) -> APIError:
+    """Errors the engine raises when a request is added (validation) as 400s; the rest as 500s."""
+    if isinstance(exc, InvalidParamError):
+        return bad_request(str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    logger.exception("engine error", exc_info=exc)
+    return APIError(f"internal error: {exc}", 500, "internal_error")
+
+
+# ---- logprobs ---------------------------------------------------------------------------------------
+
+
+def _token_entry(state: ServerState, token_id: int, logprob: float) -> dict[str, Any]:
+    text = state.token_text(token_id)
+    return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(state: ServerState, logprobs: list[TokenLogprob], num_top: int) -> list[dict[str, Any]]:
+    entries = []
+    for item in logprobs:
+        entry = _token_entry(state, item.token_id, item.logprob)
+        entry["top_logprobs"] = [_token_entry(state, tid, lp) for tid, lp in item.top[:num_top]]
+        entries.append(entry)
+    return entries
+
+
+@dataclass
+class CompletionLogprobs:
+    """The legacy completions logprobs object, built up as tokens arrive."""
+
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, state: ServerState, logprobs: list[TokenLogprob], num_top: int, offset: int) -> int:
+        for item in logprobs:
+            text = state.token_text(item.token_id)
+            self.tokens.append(text)
+            self.token_logprobs.append(max(item.logprob, -9999.0))
+            self.top_logprobs.append(
+                {state.token_text(tid): max(lp, -9999.0) for tid, lp in item.top[:num_top]}
+            )
+            self.text_offset.append(offset)
+            offset += len(text)
+        return offset
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }

@@ -1,0 +1,148 @@
+"""Prometheus metrics: latency histograms observed per request, engine gauges and counters read at scrape time.
+
+Engine-owned numbers (running/waiting, KV pages, token counters) come from `engine.stats()` when scraped, so
+there is one source of truth and nothing to keep in sync on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "hearth_"
+_TTFT_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+)
+_ITL_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.5,
+)
+_E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats_fn: Callable[[], Any | None], model_name: str) -> None:
+        self._stats_fn = stats_fn
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats_fn()
+        if stats is None:  # still loading
+            return
+        labels = ["model_name"]
+        value = [self._model_name]
+
+        def gauge(name: str, doc: str, number: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(value, number)
+            return family
+
+        def counter(name: str, doc: str, number: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(value, number)
+            return family
+
+        yield gauge("num_requests_running", "Requests the engine is running.", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting for the engine.", stats.num_waiting)
+        yield gauge("kv_pages_used", "KV cache pages in use.", stats.kv_pages_used)
+        yield gauge("kv_pages_total", "KV cache pages in all.", stats.kv_pages_total)
+        queries = stats.prefix_cache_queries_tokens
+        hit_ratio = stats.prefix_cache_hit_tokens / queries if queries else 0.0
+        yield gauge(
+            "prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache / looked up.", hit_ratio
+        )
+        yield counter("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.", queries)
+        yield counter(
+            "prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache.",
+            stats.prefix_cache_hit_tokens,
+        )
+        yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
+        yield counter(
+            "cached_tokens", "Prompt tokens served from the prefix cache.", stats.cached_tokens_total
+        )
+        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+
+
+class ServerMetrics:
+    """One registry per server (tests run several in one process)."""
+
+    def __init__(self, model_name: str, stats_fn: Callable[[], Any | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        labels = ["model_name"]
+        self.ttft_s = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_TTFT_BUCKETS_S,
+            registry=self.registry,
+        ).labels(model_name)
+        self.inter_token_latency_s = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between tokens of a request.",
+            labels,
+            buckets=_ITL_BUCKETS_S,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e_latency_s = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            labels,
+            buckets=_E2E_BUCKETS_S,
+            registry=self.registry,
+        ).labels(model_name)
+        requests = Counter(
+            PREFIX + "requests",
+            "Finished requests by finish reason.",
+            [*labels, "finish_reason"],
+            registry=self.registry,
+        )
+        self._requests = requests
+        self._model_name = model_name
+        self.rejected = Counter(
+            PREFIX + "requests_rejected",
+            "Requests refused by admission control.",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self.registry.register(_EngineCollector(stats_fn, model_name))
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._requests.labels(self._model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

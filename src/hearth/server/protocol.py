@@ -1,0 +1,157 @@
+"""The OpenAI request bodies Hearth accepts, validated strictly (wrong types and NaN are 400s, not coercions).
+
+Responses are built as plain dicts in the serving modules: they are on the hot path and need no validation.
+Unknown fields are ignored so harnesses that send newer OpenAI parameters keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _Model(BaseModel):
+    model_config = _CONFIG
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class FunctionDefinition(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class FunctionCall(_Model):
+    name: str
+    # OpenAI sends arguments as a JSON string; some clients send the object itself.
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (reasoning_content, ...) pass through to the chat template, as transformers does.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class SamplingRequest(_Model):
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=64)] = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: NonNegInt = 0
+    user: str | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _check_stop(self) -> SamplingRequest:
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            raise ValueError("stop: at most 16 stop sequences")
+        return self
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# A completions prompt: a string, strings, token ids, or lists of token ids.
+PromptInput = (
+    str | Annotated[list[str], Field(min_length=1)] | Annotated[list[NonNegInt], Field(min_length=1)]
+)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: (
+        PromptInput | Annotated[list[Annotated[list[NonNegInt], Field(min_length=1)]], Field(min_length=1)]
+    )
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[NonNegInt]

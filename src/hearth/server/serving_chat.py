@@ -1,0 +1,299 @@
+"""`POST /v1/chat/completions`: render the conversation, run n choices, parse tool calls, answer or stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from hearth.server.chat_template import ChatTemplateError, normalize_messages
+from hearth.server.disconnect import StreamingResponseWithCleanup, run_until_disconnect
+from hearth.server.errors import APIError, bad_request
+from hearth.server.generation import (
+    Generation,
+    body_size_bytes,
+    chat_logprobs,
+    engine_error,
+    engine_failure,
+    logger,
+    new_request_id,
+    off_loop_if_large,
+    resolve_max_tokens,
+    sampling_params,
+)
+from hearth.server.protocol import ChatCompletionRequest, NamedToolChoice
+from hearth.server.sse import DONE_EVENT, sse_event
+from hearth.server.state import ServerState
+from hearth.server.tool_calls import ToolCallExtractor, extract_all, new_call_id
+from hearth.server.tool_parsers import ParsedToolCall, ToolParser
+
+
+class _ToolPlan:
+    """What the request's `tools` and `tool_choice` mean for this server's parser."""
+
+    def __init__(self, state: ServerState, request: ChatCompletionRequest) -> None:
+        tools = request.tools or []
+        choice = request.tool_choice
+        if choice is None:
+            choice = "auto" if tools else "none"
+        names = {tool.function.name for tool in tools}
+        self.forced_function: str | None = None
+        self.forced_prefix = ""
+        self.parser: ToolParser | None = None
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise bad_request(
+                    f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                    "tool_choice",
+                )
+            self.forced_function = choice.function.name
+        elif choice == "required" and not tools:
+            raise bad_request("tool_choice 'required' needs at least one tool in tools", "tool_choice")
+        if choice == "none" or not tools:
+            return
+        parser = state.tool_parser
+        if parser is None:
+            if choice == "auto":
+                return  # no parser configured: the model's text is returned as is
+            raise bad_request(
+                "this server was started with --tool-call-parser none; it cannot force tool calls",
+                "tool_choice",
+            )
+        self.parser = parser
+        if choice == "auto":
+            return
+        prefix = parser.forced_prefix(self.forced_function)
+        if prefix is None:
+            raise bad_request(f"the {parser.name} tool-call format cannot force a tool call", "tool_choice")
+        self.forced_prefix = prefix
+
+    def extractor(self) -> ToolCallExtractor | None:
+        if self.parser is None:
+            return None
+        return ToolCallExtractor(self.parser, self.forced_prefix, self.forced_function)
+
+
+def _tool_call_dicts(calls: list[ParsedToolCall], first_index: int = 0) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": first_index + k,
+            "id": call.id or new_call_id(),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for k, call in enumerate(calls)
+    ]
+
+
+def _finish_reason(engine_reason: str | None, has_calls: bool) -> str | None:
+    if has_calls and engine_reason == "stop":
+        return "tool_calls"
+    return engine_reason
+
+
+async def create_chat_completion(
+    state: ServerState, request: ChatCompletionRequest, raw: Request
+) -> Response:
+    state.check_model(request.model)
+    engine = state.require_engine()
+    if state.chat_template is None:
+        raise bad_request(state.chat_template_error or "this model has no chat template", "messages")
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    if request.response_format is not None and request.response_format.type == "json_schema":
+        raise bad_request(
+            "response_format json_schema is not supported yet (no constrained decoding); "
+            "use json_object or describe the schema in the prompt",
+            "response_format",
+        )
+    plan = _ToolPlan(state, request)
+    template = state.chat_template
+
+    def render_and_encode() -> list[int]:
+        tools = [tool.model_dump(exclude_unset=True) for tool in request.tools] if request.tools else None
+        try:
+            messages = normalize_messages([m.model_dump(exclude_unset=True) for m in request.messages])
+            prompt_text = template.render(
+                messages,
+                tools=tools,
+                add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
+                continue_final_message=request.continue_final_message,
+                template_kwargs=request.chat_template_kwargs,
+            )
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        return engine.tokenizer.encode(prompt_text + plan.forced_prefix, add_special_tokens=False)
+
+    prompt_ids = await off_loop_if_large(body_size_bytes(raw.headers), render_and_encode)
+    max_tokens = resolve_max_tokens(
+        request.max_completion_tokens or request.max_tokens,
+        len(prompt_ids),
+        engine.max_model_len,
+        None,
+        "messages",
+    )
+    keep_specials = plan.parser is not None and plan.parser.needs_special_tokens
+    end_stop = plan.parser.call_end_stop() if plan.forced_prefix and plan.parser else None
+    params = [
+        sampling_params(
+            request,
+            max_tokens,
+            (request.top_logprobs or 0) if request.logprobs else None,
+            [end_stop] if end_stop else None,
+            False if keep_specials else None,
+            i,
+        )
+        for i in range(request.n)
+    ]
+    request_id = new_request_id("chatcmpl")
+    affinity = raw.headers.get("x-session-affinity")
+    if affinity:
+        logger.info("request %s session-affinity=%s prompt_tokens=%d", request_id, affinity, len(prompt_ids))
+    generation = Generation(state, request_id, [prompt_ids] * request.n, params, request.cache_salt)
+    generation.admit()
+    if request.stream:
+        return StreamingResponseWithCleanup(
+            _stream(state, request, generation, plan), generation.close, media_type="text/event-stream"
+        )
+    try:
+        return await run_until_disconnect(_complete(state, request, generation, plan), raw)
+    finally:
+        generation.close()
+
+
+async def _complete(
+    state: ServerState, request: ChatCompletionRequest, generation: Generation, plan: _ToolPlan
+) -> Response:
+    n = request.n
+    texts = [""] * n
+    logprobs: list[list[Any]] = [[] for _ in range(n)]
+    finish: list[tuple[str | None, str | int | None]] = [(None, None)] * n
+    try:
+        async for index, output in generation.outputs():
+            failure = engine_failure(output)
+            if failure is not None:
+                raise failure
+            texts[index] += output.new_text
+            if output.new_logprobs:
+                logprobs[index].extend(output.new_logprobs)
+            if output.finished:
+                finish[index] = (output.finish_reason, output.stop_reason)
+    except APIError:
+        raise
+    except Exception as exc:
+        raise engine_error(exc) from exc
+    choices = []
+    for index in range(n):
+        extractor = plan.extractor()
+        message: dict[str, Any] = {"role": "assistant", "content": texts[index]}
+        calls: list[ParsedToolCall] = []
+        if extractor is not None:
+            content, calls = extract_all(extractor, texts[index])
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [
+                    {key: value for key, value in call.items() if key != "index"}
+                    for call in _tool_call_dicts(calls)
+                ]
+        reason, stop_reason = finish[index]
+        choices.append(
+            {
+                "index": index,
+                "message": message,
+                "logprobs": {"content": chat_logprobs(state, logprobs[index], request.top_logprobs or 0)}
+                if request.logprobs
+                else None,
+                "finish_reason": _finish_reason(reason, bool(calls)),
+                "stop_reason": stop_reason,
+            }
+        )
+    body = {
+        "id": generation.request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": state.config.model_name,
+        "choices": choices,
+        "usage": generation.usage(),
+    }
+    return JSONResponse(body)
+
+
+async def _stream(
+    state: ServerState, request: ChatCompletionRequest, generation: Generation, plan: _ToolPlan
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    include_usage = request.stream_options is not None and request.stream_options.include_usage
+    continuous_usage = (
+        include_usage
+        and request.stream_options is not None
+        and (request.stream_options.continuous_usage_stats)
+    )
+    base = {
+        "id": generation.request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": state.config.model_name,
+    }
+
+    def chunk(
+        index: int,
+        delta: dict[str, Any],
+        finish_reason: str | None = None,
+        logprobs: Any = None,
+        stop_reason: str | int | None = None,
+    ) -> bytes:
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        payload = {**base, "choices": [choice]}
+        if include_usage:
+            payload["usage"] = generation.usage() if continuous_usage else None
+        return sse_event(payload)
+
+    extractors = [plan.extractor() for _ in range(request.n)]
+    num_calls = [0] * request.n
+    try:
+        for index in range(request.n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for index, output in generation.outputs():
+            failure = engine_failure(output)
+            if failure is not None:
+                yield sse_event(failure.body())
+                break
+            logprobs = (
+                {"content": chat_logprobs(state, output.new_logprobs, request.top_logprobs or 0)}
+                if request.logprobs and output.new_logprobs
+                else None
+            )
+            extractor = extractors[index]
+            if extractor is None:
+                content, calls = output.new_text, []
+            else:
+                extracted = extractor.feed(output.new_text, final=output.finished)
+                content, calls = extracted.content, extracted.tool_calls
+            if content or logprobs is not None:
+                yield chunk(index, {"content": content}, logprobs=logprobs)
+            if calls:
+                yield chunk(index, {"tool_calls": _tool_call_dicts(calls, num_calls[index])})
+                num_calls[index] += len(calls)
+            if output.finished:
+                reason = _finish_reason(output.finish_reason, num_calls[index] > 0)
+                yield chunk(index, {}, reason, stop_reason=output.stop_reason)
+        else:
+            if include_usage:
+                yield sse_event({**base, "choices": [], "usage": generation.usage()})
+    except APIError as exc:
+        yield sse_event(exc.body())
+    except Exception as exc:  # an error after the 200 went out can only be reported in the stream
+        yield sse_event(engine_error(exc).body())
+    finally:
+        generation.close()
+    yield DONE_EVENT

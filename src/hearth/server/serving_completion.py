@@ -1,0 +1,199 @@
+"""`POST /v1/completions`: one or more prompts (text or token ids), n choices each, answered or streamed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from hearth.server.disconnect import StreamingResponseWithCleanup, run_until_disconnect
+from hearth.server.errors import APIError, bad_request
+from hearth.server.generation import (
+    CompletionLogprobs,
+    Generation,
+    body_size_bytes,
+    engine_error,
+    engine_failure,
+    logger,
+    new_request_id,
+    off_loop_if_large,
+    resolve_max_tokens,
+    sampling_params,
+)
+from hearth.server.protocol import CompletionRequest
+from hearth.server.sse import DONE_EVENT, sse_event
+from hearth.server.state import ServerState
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
+def _prompt_token_lists(state: ServerState, request: CompletionRequest) -> list[list[int]]:
+    tokenizer = state.require_engine().tokenizer
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        prompts = [tokenizer.encode(prompt)]
+    elif all(isinstance(item, str) for item in prompt):
+        prompts = [tokenizer.encode(item) for item in prompt]  # type: ignore[arg-type]
+    elif all(isinstance(item, int) for item in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = [list(item) for item in prompt]  # type: ignore[union-attr]
+    vocab_size = tokenizer.vocab_size
+    for tokens in prompts:
+        if not tokens:
+            raise bad_request("the prompt is empty", "prompt")
+        if max(tokens) >= vocab_size:
+            raise bad_request(f"prompt token ids must be below the vocabulary size {vocab_size}", "prompt")
+    return prompts
+
+
+async def create_completion(state: ServerState, request: CompletionRequest, raw: Request) -> Response:
+    state.check_model(request.model)
+    engine = state.require_engine()
+    if request.suffix:
+        raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
+    prompts = await off_loop_if_large(
+        body_size_bytes(raw.headers), lambda: _prompt_token_lists(state, request)
+    )
+    n = request.n
+    token_lists: list[list[int]] = []
+    params = []
+    prompt_index = []
+    for p, tokens in enumerate(prompts):
+        max_tokens = resolve_max_tokens(
+            request.max_tokens, len(tokens), engine.max_model_len, DEFAULT_MAX_TOKENS, "prompt"
+        )
+        for i in range(n):
+            token_lists.append(tokens)
+            params.append(sampling_params(request, max_tokens, request.logprobs, choice_index=i))
+            prompt_index.append(p)
+    request_id = new_request_id("cmpl")
+    affinity = raw.headers.get("x-session-affinity")
+    if affinity:
+        logger.info("request %s session-affinity=%s", request_id, affinity)
+    generation = Generation(state, request_id, token_lists, params, request.cache_salt, prompt_index)
+    generation.admit()
+    echoes = [engine.tokenizer.decode(tokens) if request.echo else "" for tokens in token_lists]
+    if request.stream:
+        return StreamingResponseWithCleanup(
+            _stream(state, request, generation, echoes), generation.close, media_type="text/event-stream"
+        )
+    try:
+        return await run_until_disconnect(_complete(state, request, generation, echoes), raw)
+    finally:
+        generation.close()
+
+
+async def _complete(
+    state: ServerState, request: CompletionRequest, generation: Generation, echoes: list[str]
+) -> Response:
+    num_choices = len(echoes)
+    texts = list(echoes)
+    logprobs = [CompletionLogprobs() for _ in range(num_choices)]
+    offsets = [len(echo) for echo in echoes]
+    finish: list[tuple[str | None, str | int | None]] = [(None, None)] * num_choices
+    try:
+        async for index, output in generation.outputs():
+            failure = engine_failure(output)
+            if failure is not None:
+                raise failure
+            texts[index] += output.new_text
+            if request.logprobs is not None and output.new_logprobs:
+                offsets[index] = logprobs[index].add(
+                    state, output.new_logprobs, request.logprobs, offsets[index]
+                )
+            if output.finished:
+                finish[index] = (output.finish_reason, output.stop_reason)
+    except APIError:
+        raise
+    except Exception as exc:
+        raise engine_error(exc) from exc
+    choices = [
+        {
+            "index": index,
+            "text": texts[index],
+            "logprobs": logprobs[index].as_dict() if request.logprobs is not None else None,
+            "finish_reason": finish[index][0],
+            "stop_reason": finish[index][1],
+        }
+        for index in range(num_choices)
+    ]
+    return JSONResponse(
+        {
+            "id": generation.request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": state.config.model_name,
+            "choices": choices,
+            "usage": generation.usage(),
+        }
+    )
+
+
+async def _stream(
+    state: ServerState, request: CompletionRequest, generation: Generation, echoes: list[str]
+) -> AsyncIterator[bytes]:
+    include_usage = request.stream_options is not None and request.stream_options.include_usage
+    continuous_usage = (
+        include_usage
+        and request.stream_options is not None
+        and (request.stream_options.continuous_usage_stats)
+    )
+    base = {
+        "id": generation.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.config.model_name,
+    }
+    offsets = [len(echo) for echo in echoes]
+
+    def chunk(
+        index: int,
+        text: str,
+        logprobs: Any = None,
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+    ) -> bytes:
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+        payload: dict[str, Any] = {**base, "choices": [choice]}
+        if include_usage:
+            payload["usage"] = generation.usage() if continuous_usage else None
+        return sse_event(payload)
+
+    try:
+        for index, echo in enumerate(echoes):
+            if echo:
+                yield chunk(index, echo)
+        async for index, output in generation.outputs():
+            failure = engine_failure(output)
+            if failure is not None:
+                yield sse_event(failure.body())
+                break
+            logprobs = None
+            if request.logprobs is not None and output.new_logprobs:
+                built = CompletionLogprobs()
+                offsets[index] = built.add(state, output.new_logprobs, request.logprobs, offsets[index])
+                logprobs = built.as_dict()
+            if output.finished:
+                yield chunk(index, output.new_text, logprobs, output.finish_reason, output.stop_reason)
+            elif output.new_text or logprobs is not None:
+                yield chunk(index, output.new_text, logprobs)
+        else:
+            if include_usage:
+                yield sse_event({**base, "choices": [], "usage": generation.usage()})
+    except APIError as exc:
+        yield sse_event(exc.body())
+    except Exception as exc:
+        yield sse_event(engine_error(exc).body())
+    finally:
+        generation.close()
+    yield DONE_EVENT

@@ -1,0 +1,80 @@
+"""What every handler needs: the engine, the server's options, and the per-server bookkeeping."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hearth.server.admission import AdmissionController
+from hearth.server.chat_template import ChatTemplate
+from hearth.server.errors import APIError
+from hearth.server.load import LoadTracker
+from hearth.server.metrics import ServerMetrics
+from hearth.server.tool_parsers import ToolParser
+
+if TYPE_CHECKING:
+    from hearth.engine.async_engine import AsyncEngine
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_waiting_seqs: int = 256
+    tool_parser: str | None = "hermes"
+    chat_template_path: str | None = None
+    aliases: tuple[str, ...] = ()  # other names accepted as `model` (e.g. the checkpoint path)
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    metrics: ServerMetrics
+    admission: AdmissionController
+    load: LoadTracker = field(default_factory=LoadTracker)
+    engine: AsyncEngine | None = None
+    chat_template: ChatTemplate | None = None
+    chat_template_error: str | None = None
+    tool_parser: ToolParser | None = None
+    created_s: int = field(default_factory=lambda: int(time.time()))
+    load_error: str | None = None
+    _token_text_cache: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def require_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise APIError(
+                "the model is still loading; retry shortly",
+                503,
+                "service_unavailable",
+                code="model_loading",
+                headers={"Retry-After": "5"},
+            )
+        return self.engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is None or model == self.config.model_name or model in self.config.aliases:
+            return
+        raise APIError(
+            f"The model {model!r} does not exist; this server serves {self.config.model_name!r}",
+            404,
+            "invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
+
+    def token_text(self, token_id: int) -> str:
+        # Logprobs name each token by its own text; decoding one id at a time is cached per id.
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            engine = self.require_engine()
+            text = engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text_cache[token_id] = text
+        return text
+
+    def stats(self) -> Any | None:
+        return self.engine.stats() if self.engine is not None else None

@@ -1,0 +1,42 @@
+"""Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call."""
+
+from __future__ import annotations
+
+import json
+
+from hearth.server.tool_parsers.base import ParsedToolCall, TaggedToolParser, arguments_json
+from hearth.server.tool_parsers.registry import register_tool_parser
+
+
+@register_tool_parser("hermes")
+class HermesToolParser(TaggedToolParser):
+    name = "hermes"
+    start_tag = "<tool_call>"
+    end_tag = "</tool_call>"
+
+    def parse_body(self, body: str) -> ParsedToolCall | None:
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        return ParsedToolCall(call["name"], arguments_json(arguments))
+
+    def __init__(self) -> None:
+        self._opening = "<tool_call>\n"  # Qwen's spacing; templates that write calls without it override
+
+    def adapt_to_template(self, template_source: str) -> None:
+        # A forced call should look exactly like the calls the model was trained on.
+        if "<tool_call>" in template_source:
+            newline = "<tool_call>\n" in template_source or "<tool_call>\\n" in template_source
+            self._opening = "<tool_call>\n" if newline else "<tool_call>"
+
+    def forced_prefix(self, function_name: str | None) -> str | None:
+        if function_name is None:
+            return self._opening + '{"name": "'
+        return self._opening + '{"name": ' + json.dumps(function_name) + ', "arguments": '
+
+    def call_end_stop(self) -> str | None:
+        return self.end_tag
