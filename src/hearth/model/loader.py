@@ -107,6 +107,7 @@ def load_model(
         bar.close()
     _check_complete(model, config, loaded)
     model.eval()
+    model.prepare_for_inference()
     return model
 
 
