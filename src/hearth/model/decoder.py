@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from hearth.model.config import ModelConfig
-from hearth.model.layers import DecoderLayer, RMSNorm
+from hearth.model.layers import DecoderLayer, Linear, RMSNorm
 from hearth.model.rotary import build_cos_sin_table
 from hearth.ops.attention import AttentionContext
+from hearth.ops.linear import prepack_weight
 
 
 class DecoderModel(nn.Module):
@@ -22,8 +23,6 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Knows nothing of requests: token ids, positions and one attention context in; logits out."""
 
-    GEMV_ROWS = 1
-
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -36,28 +35,25 @@ class CausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None
 
     def prepare_for_inference(self) -> None:
-        """Called once the weights are loaded: lay the LM head out for the CPU's fast paths.
+        """Called once the weights are loaded: lay weights out for the CPU's fast paths.
 
-        The LM head is the largest matrix. For one row (batch-1 decode) a matrix-vector
-        product over a [hidden, vocab] copy runs ~2x faster through MKL than `F.linear` on the
-        checkpoint's [vocab, hidden] layout; from two rows on, oneDNN with a prepacked weight runs
-        1.2-1.8x faster (figures in docs/benchmarks.md).
+        The LM head is the largest matrix. For one row (batch-1 decode) a matrix-vector product
+        over a [hidden, vocab] copy runs ~2x faster through MKL than `F.linear` on the
+        checkpoint's [vocab, hidden] layout; from two rows on, the oneDNN prepacked path of
+        `hearth.ops.linear` runs 1.2-1.8x faster (scripts/bench_lm_head.py).
         """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare_for_inference()
         weight = self.lm_head.weight.detach()
-        if weight.device.type != "cpu":
-            return
-        self.lm_head_t = weight.t().contiguous()
-        if hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and weight.dtype == torch.float32:
-            try:
-                self.lm_head_packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            except RuntimeError:  # a torch build without oneDNN's linear
-                self.lm_head_packed = None
+        if weight.device.type == "cpu":
+            self.lm_head_t = weight.t().contiguous()
+            self.lm_head_packed = prepack_weight(weight)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.shape[0]
-        if self.lm_head_t is not None and rows <= self.GEMV_ROWS:
+        if self.lm_head_t is not None and hidden.shape[0] == 1:
             return hidden @ self.lm_head_t
-        if self.lm_head_packed is not None:
+        if self.lm_head_packed is not None:  # every row count: the vocabulary side is always large
             return torch.ops.mkldnn._linear_pointwise(hidden, self.lm_head_packed, None, "none", [], "")
         return self.lm_head(hidden)
 
