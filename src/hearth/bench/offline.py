@@ -10,6 +10,7 @@ import argparse
 import json
 import random
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -33,8 +34,15 @@ def run(args: argparse.Namespace) -> int:
     from hearth import LLM, SamplingParams
     from hearth.engine.config import EngineConfig
 
+    from hearth.model.config import ModelLoadError
+    from hearth.model.tokenizer import TokenizerError
+
     config = EngineConfig.from_cli_args(args)
-    llm = LLM(config.model, **{k: v for k, v in vars(config).items() if k != "model"})
+    try:
+        llm = LLM(config.model, **{k: v for k, v in vars(config).items() if k != "model"})
+    except (ModelLoadError, TokenizerError) as exc:
+        print(f"hearth bench offline: {exc}", file=sys.stderr)
+        return 2
     ready_s = time.perf_counter() - started
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(args.prompt_seed)
