@@ -33,7 +33,6 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     from hearth import LLM, SamplingParams
     from hearth.engine.config import EngineConfig
-
     from hearth.model.config import ModelLoadError
     from hearth.model.tokenizer import TokenizerError
 
