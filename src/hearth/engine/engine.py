@@ -29,6 +29,7 @@ from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.device import resolve_dtype
 from hearth.model.loader import load_model
 from hearth.model.tokenizer import Tokenizer
+from hearth.ops import cpu_kernels
 
 logger = logging.getLogger("hearth.engine")
 
@@ -54,6 +55,7 @@ class Engine:
         started = time.perf_counter()
         self.config = config
         torch.set_num_threads(config.resolved_num_threads)
+        cpu_kernels.start_build()  # compiled CPU attention, ready in the background (cached after the first time)
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype)

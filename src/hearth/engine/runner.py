@@ -48,7 +48,9 @@ class ModelRunner:
             slot_mapping=torch.empty(0, dtype=torch.long), page_size=page_size, num_decode_tokens=len(decodes)
         )
         if decodes:
-            context_lens = torch.tensor([item.request.num_computed_tokens + 1 for item in decodes])
+            context_lens = torch.tensor(
+                [item.request.num_computed_tokens + 1 for item in decodes], dtype=torch.long
+            )
             max_pages = max(len(item.request.page_ids) for item in decodes)
             table = torch.zeros(len(decodes), max_pages, dtype=torch.long)
             for row, item in enumerate(decodes):
@@ -58,6 +60,9 @@ class ModelRunner:
             if self.sliding_window is not None:
                 mask &= positions[None, :] > (context_lens[:, None] - 1 - self.sliding_window)
             ctx.decode_page_table = table
+            ctx.decode_context_lens = context_lens
+            first = (context_lens - self.sliding_window).clamp_(min=0) if self.sliding_window else None
+            ctx.decode_first_positions = first if first is not None else torch.zeros_like(context_lens)
             ctx.decode_mask = mask[:, None, None, :]
             last = context_lens - 1
             slot_parts.append(

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hearth.ops.cpu_kernels import paged_decode_attention_kernel
+
 
 @dataclass
 class PrefillChunk:
@@ -32,6 +34,10 @@ class AttentionContext:
     num_decode_tokens: int = 0  # the first rows of the batch, one token per request
     decode_page_table: torch.Tensor | None = None  # long [num_decodes, max_pages] (padding: any valid page)
     decode_mask: torch.Tensor | None = None  # bool [num_decodes, 1, 1, max_pages * page_size] (True = attend)
+    decode_context_lens: torch.Tensor | None = None  # long [num_decodes]
+    decode_first_positions: torch.Tensor | None = (
+        None  # long [num_decodes]: first key attended (sliding window)
+    )
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -51,6 +57,41 @@ def gather_pages(pool: torch.Tensor, page_ids: torch.Tensor, page_size: int) -> 
     return rows.view(*page_ids.shape[:-1], page_ids.shape[-1] * page_size, kv_heads, head_dim)
 
 
+def _decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    ctx: AttentionContext,
+    scale: float,
+    page_size: int,
+) -> torch.Tensor:
+    """One query token per row. The compiled CPU kernel reads pages in place; torch gathers them first."""
+    if q.dtype == torch.float32 and k_pool.dtype == torch.float32 and q.device.type == "cpu":
+        kernel = paged_decode_attention_kernel()
+        if kernel is not None:
+            return kernel(
+                q.contiguous(),
+                k_pool,
+                v_pool,
+                ctx.decode_page_table,
+                ctx.decode_context_lens,
+                ctx.decode_first_positions,
+                page_size,
+                scale,
+            )
+    keys = gather_pages(k_pool, ctx.decode_page_table, page_size).to(q.dtype).transpose(1, 2)
+    values = gather_pages(v_pool, ctx.decode_page_table, page_size).to(q.dtype).transpose(1, 2)
+    attended = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        keys,
+        values,
+        attn_mask=ctx.decode_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k_pool.shape[1],
+    )
+    return attended.squeeze(2)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -65,13 +106,7 @@ def paged_attention(
     enable_gqa = num_heads != k_pool.shape[1]
     if ctx.num_decode_tokens:
         n = ctx.num_decode_tokens
-        keys = gather_pages(k_pool, ctx.decode_page_table, page_size).to(q.dtype).transpose(1, 2)
-        values = gather_pages(v_pool, ctx.decode_page_table, page_size).to(q.dtype).transpose(1, 2)
-        query = q[:n].unsqueeze(2)  # [n, heads, 1, dim]
-        attended = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=ctx.decode_mask, scale=scale, enable_gqa=enable_gqa
-        )
-        out[:n] = attended.squeeze(2)
+        out[:n] = _decode_attention(q[:n], k_pool, v_pool, ctx, scale, page_size)
     for chunk in ctx.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         keys = gather_pages(k_pool, chunk.page_ids, page_size)[: chunk.context_len].to(q.dtype)

@@ -1,0 +1,90 @@
+// Decode attention over a paged KV pool on CPU: one query token per sequence, keys and values
+// read in place from their pages (no gather into contiguous tensors). Float32 only.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+torch::Tensor paged_decode_attention(
+    torch::Tensor q,            // [n, heads, dim]
+    torch::Tensor k_pool,       // [num_slots, kv_heads, dim]
+    torch::Tensor v_pool,       // [num_slots, kv_heads, dim]
+    torch::Tensor page_table,   // [n, max_pages] int64
+    torch::Tensor context_lens, // [n] int64
+    torch::Tensor first_positions, // [n] int64: first key position each row attends to (sliding window)
+    int64_t page_size,
+    double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_pool.scalar_type() == torch::kFloat32 &&
+              v_pool.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+              page_table.is_contiguous(), "paged_decode_attention: contiguous inputs only");
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_pool.size(1);
+  const int64_t group = heads / kv_heads;
+  const int64_t max_pages = page_table.size(1);
+  auto out = torch::empty_like(q);
+  const float* q_ptr = q.data_ptr<float>();
+  const float* k_ptr = k_pool.data_ptr<float>();
+  const float* v_ptr = v_pool.data_ptr<float>();
+  const int64_t* table = page_table.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* firsts = first_positions.data_ptr<int64_t>();
+  float* o_ptr = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(group * dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const int64_t len = lens[b], first = firsts[b];
+      const int64_t num_keys = len - first;
+      scores.assign(group * num_keys, 0.0f);
+      const float* qb = q_ptr + (b * heads + h * group) * dim;
+      for (int64_t i = 0; i < num_keys; ++i) {
+        const int64_t pos = first + i;
+        const int64_t slot = table[b * max_pages + pos / page_size] * page_size + pos % page_size;
+        const float* kv = k_ptr + (slot * kv_heads + h) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qb + g * dim;
+          float dot = 0.0f;
+          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kv[d];
+          scores[g * num_keys + i] = dot * fscale;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * num_keys;
+        float max_score = s[0];
+        for (int64_t i = 1; i < num_keys; ++i) max_score = std::max(max_score, s[i]);
+        float total = 0.0f;
+        for (int64_t i = 0; i < num_keys; ++i) {
+          s[i] = std::exp(s[i] - max_score);
+          total += s[i];
+        }
+        const float inv_total = 1.0f / total;
+        for (int64_t i = 0; i < num_keys; ++i) s[i] *= inv_total;
+      }
+      for (int64_t i = 0; i < num_keys; ++i) {
+        const int64_t pos = first + i;
+        const int64_t slot = table[b * max_pages + pos / page_size] * page_size + pos % page_size;
+        const float* vv = v_ptr + (slot * kv_heads + h) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = scores[g * num_keys + i];
+          float* a = acc.data() + g * dim;
+          for (int64_t d = 0; d < dim; ++d) a[d] += w * vv[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        std::copy(acc.begin() + g * dim, acc.begin() + (g + 1) * dim, o_ptr + (b * heads + h * group + g) * dim);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU, float32)");
+}
