@@ -1,8 +1,9 @@
 """Compiled CPU kernels (C++ through torch's extension builder), built in the background.
 
-The paged decode attention kernel reads keys and values in place from their pages, where the
-torch path first gathers them into contiguous tensors: 4-6x faster on its own, ~25% of a batch-64
-decode step (docs/benchmarks.md). Building takes ~40 s the first time on a machine and is cached
+The paged decode attention kernel reads keys and values in place from their pages, one sequence
+per work item, where the torch path first gathers them into contiguous tensors: 2-3x faster on
+its own, decode steps 0.8-0.9x as long at 128-256 tokens of context and 0.3x at 1,024
+(docs/benchmarks.md). Building takes ~40 s the first time on a machine and is cached
 (per CPU feature set) under torch's extension directory, so the engine starts at once on the
 torch path and switches to the kernel when it is ready. `HEARTH_CPU_KERNELS=0` turns it off;
 a failed build only logs a warning.

@@ -34,29 +34,30 @@ torch::Tensor paged_decode_attention(
   float* o_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One sequence per work item: each key slot's heads are contiguous, so reading all of them
+  // together walks memory in order instead of striding through it once per head.
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(group * dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
-      const int64_t len = lens[b], first = firsts[b];
-      const int64_t num_keys = len - first;
-      scores.assign(group * num_keys, 0.0f);
-      const float* qb = q_ptr + (b * heads + h * group) * dim;
+    std::vector<float> acc(heads * dim);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = firsts[b];
+      const int64_t num_keys = lens[b] - first;
+      scores.resize(heads * num_keys);
+      const float* qb = q_ptr + b * heads * dim;
+      const int64_t* pages = table + b * max_pages;
       for (int64_t i = 0; i < num_keys; ++i) {
         const int64_t pos = first + i;
-        const int64_t slot = table[b * max_pages + pos / page_size] * page_size + pos % page_size;
-        const float* kv = k_ptr + (slot * kv_heads + h) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qb + g * dim;
+        const float* key = k_ptr + (pages[pos / page_size] * page_size + pos % page_size) * kv_heads * dim;
+        for (int64_t head = 0; head < heads; ++head) {
+          const float* qh = qb + head * dim;
+          const float* kh = key + (head / group) * dim;
           float dot = 0.0f;
-          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * kv[d];
-          scores[g * num_keys + i] = dot * fscale;
+          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
+          scores[head * num_keys + i] = dot * fscale;
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * num_keys;
+      for (int64_t head = 0; head < heads; ++head) {
+        float* s = scores.data() + head * num_keys;
         float max_score = s[0];
         for (int64_t i = 1; i < num_keys; ++i) max_score = std::max(max_score, s[i]);
         float total = 0.0f;
@@ -67,19 +68,18 @@ torch::Tensor paged_decode_attention(
         const float inv_total = 1.0f / total;
         for (int64_t i = 0; i < num_keys; ++i) s[i] *= inv_total;
       }
+      std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t i = 0; i < num_keys; ++i) {
         const int64_t pos = first + i;
-        const int64_t slot = table[b * max_pages + pos / page_size] * page_size + pos % page_size;
-        const float* vv = v_ptr + (slot * kv_heads + h) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * num_keys + i];
-          float* a = acc.data() + g * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += w * vv[d];
+        const float* value = v_ptr + (pages[pos / page_size] * page_size + pos % page_size) * kv_heads * dim;
+        for (int64_t head = 0; head < heads; ++head) {
+          const float w = scores[head * num_keys + i];
+          const float* vh = value + (head / group) * dim;
+          float* a = acc.data() + head * dim;
+          for (int64_t d = 0; d < dim; ++d) a[d] += w * vh[d];
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        std::copy(acc.begin() + g * dim, acc.begin() + (g + 1) * dim, o_ptr + (b * heads + h * group + g) * dim);
-      }
+      std::copy(acc.begin(), acc.end(), o_ptr + b * heads * dim);
     }
   });
   return out;
