@@ -55,7 +55,6 @@ class Engine:
         started = time.perf_counter()
         self.config = config
         torch.set_num_threads(config.resolved_num_threads)
-        cpu_kernels.start_build()  # compiled CPU attention, ready in the background (cached after the first time)
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype)
@@ -91,6 +90,9 @@ class Engine:
         self._arrivals = count()
         self._ids = count()
         self._totals = {"prompt": 0, "cached": 0, "generated": 0, "preempted": 0}
+        # Compiled CPU attention, loaded (or built, the first time) in the background once the model is
+        # in place, so it never delays readiness; the torch path serves until it is there.
+        cpu_kernels.start_build()
         logger.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
             num_pages,
