@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,8 @@ _CFLAGS = [
     "-fno-signed-zeros",
     "-fno-trapping-math",
 ]
+
+_STALE_LOCK_S = 600  # a build takes ~40 s; a lock this old belongs to a dead process
 
 _lock = threading.Lock()
 _kernel: Callable[..., object] | None = None
@@ -51,13 +54,27 @@ def enabled() -> bool:
     return os.environ.get("HEARTH_CPU_KERNELS", "1") != "0"
 
 
+def _clear_stale_lock(name: str) -> None:
+    # torch's builder waits forever on a lock file left by a process killed mid-build.
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def _build() -> None:
     global _kernel
     try:
         from torch.utils.cpp_extension import load
 
+        name = f"hearth_paged_attention_{_cpu_tag()}"
+        _clear_stale_lock(name)
         module = load(
-            name=f"hearth_paged_attention_{_cpu_tag()}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=_CFLAGS,
             verbose=False,
