@@ -31,18 +31,12 @@ def test_kernel_matches_gather_and_sdpa(monkeypatch, heads, kv_heads, window):
     lens = torch.tensor([1, 5, 8, 9, 40, 63, 64], dtype=torch.long)
     max_pages = 8
     table = torch.randperm(num_pages)[: n * max_pages].view(n, max_pages).contiguous()
-    positions = torch.arange(max_pages * page_size)
-    mask = positions[None, :] < lens[:, None]
-    first = torch.zeros_like(lens)
-    if window is not None:
-        mask &= positions[None, :] > lens[:, None] - 1 - window
-        first = (lens - window).clamp(min=0)
+    first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
     ctx = AttentionContext(
         slot_mapping=torch.empty(0, dtype=torch.long),
         page_size=page_size,
         num_decode_tokens=n,
         decode_page_table=table,
-        decode_mask=mask[:, None, None, :],
         decode_context_lens=lens,
         decode_first_positions=first,
     )

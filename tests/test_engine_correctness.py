@@ -130,3 +130,10 @@ def test_string_prompts_and_eos_stop(tiny_llama):
     assert result.text == llm.tokenizer.decode(
         [t for t in result.token_ids if t not in llm.engine.eos_token_ids]
     )
+
+
+def test_mistral_sliding_window_matches_transformers(tiny_model_factory):
+    model_dir = tiny_model_factory("mistral", sliding_window=8)
+    assert_matches_hf(
+        model_dir, [random_prompt(21, seed=8), random_prompt(5, seed=9)], max_tokens=16, page_size=4
+    )

@@ -55,15 +55,13 @@ class ModelRunner:
             table = torch.zeros(len(decodes), max_pages, dtype=torch.long)
             for row, item in enumerate(decodes):
                 table[row, : len(item.request.page_ids)] = torch.tensor(item.request.page_ids)
-            positions = torch.arange(max_pages * page_size)
-            mask = positions[None, :] < context_lens[:, None]
-            if self.sliding_window is not None:
-                mask &= positions[None, :] > (context_lens[:, None] - 1 - self.sliding_window)
             ctx.decode_page_table = table
             ctx.decode_context_lens = context_lens
-            first = (context_lens - self.sliding_window).clamp_(min=0) if self.sliding_window else None
-            ctx.decode_first_positions = first if first is not None else torch.zeros_like(context_lens)
-            ctx.decode_mask = mask[:, None, None, :]
+            ctx.decode_first_positions = (
+                (context_lens - self.sliding_window).clamp_(min=0)
+                if self.sliding_window is not None
+                else torch.zeros_like(context_lens)
+            )
             last = context_lens - 1
             slot_parts.append(
                 table.gather(1, (last // page_size)[:, None]).squeeze(1) * page_size + last % page_size

@@ -33,7 +33,6 @@ class AttentionContext:
     page_size: int
     num_decode_tokens: int = 0  # the first rows of the batch, one token per request
     decode_page_table: torch.Tensor | None = None  # long [num_decodes, max_pages] (padding: any valid page)
-    decode_mask: torch.Tensor | None = None  # bool [num_decodes, 1, 1, max_pages * page_size] (True = attend)
     decode_context_lens: torch.Tensor | None = None  # long [num_decodes]
     decode_first_positions: torch.Tensor | None = (
         None  # long [num_decodes]: first key attended (sliding window)
@@ -79,13 +78,18 @@ def _decode_attention(
                 page_size,
                 scale,
             )
+    # Key positions [first, context_len) of each row are attended; the rest is padding or out of the window.
+    positions = torch.arange(ctx.decode_page_table.shape[1] * page_size)
+    mask = (positions[None, :] < ctx.decode_context_lens[:, None]) & (
+        positions[None, :] >= ctx.decode_first_positions[:, None]
+    )
     keys = gather_pages(k_pool, ctx.decode_page_table, page_size).to(q.dtype).transpose(1, 2)
     values = gather_pages(v_pool, ctx.decode_page_table, page_size).to(q.dtype).transpose(1, 2)
     attended = F.scaled_dot_product_attention(
         q.unsqueeze(2),
         keys,
         values,
-        attn_mask=ctx.decode_mask,
+        attn_mask=mask[:, None, None, :],
         scale=scale,
         enable_gqa=q.shape[1] != k_pool.shape[1],
     )
