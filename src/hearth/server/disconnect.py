@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -54,3 +54,20 @@ async def run_until_disconnect(work: Awaitable[Response], raw: Request) -> Respo
             await task
         return Response(status_code=499)  # nobody reads it; the status is for the access log
     return task.result()
+
+
+async def respond(
+    raw: Request,
+    stream: bool,
+    events: Callable[[], AsyncIterator[str]],
+    complete: Callable[[], Awaitable[Response]],
+    close: Callable[[], None],
+) -> Response:
+    """The one shape of every generation endpoint: an SSE stream, or the whole answer awaited until
+    the client leaves; `close` (abort whatever is still running) runs when either ends."""
+    if stream:
+        return StreamingResponseWithCleanup(events(), close, media_type="text/event-stream")
+    try:
+        return await run_until_disconnect(complete(), raw)
+    finally:
+        close()

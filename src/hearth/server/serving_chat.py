@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from hearth.server.chat_template import ChatTemplateError, normalize_messages
-from hearth.server.disconnect import StreamingResponseWithCleanup, run_until_disconnect
+from hearth.server.disconnect import respond
 from hearth.server.errors import APIError, bad_request
 from hearth.server.generation import (
     Generation,
@@ -154,14 +154,13 @@ async def create_chat_completion(
         logger.info("request %s session-affinity=%s prompt_tokens=%d", request_id, affinity, len(prompt_ids))
     generation = Generation(state, request_id, [prompt_ids] * request.n, params, request.cache_salt)
     generation.admit()
-    if request.stream:
-        return StreamingResponseWithCleanup(
-            _stream(state, request, generation, plan), generation.close, media_type="text/event-stream"
-        )
-    try:
-        return await run_until_disconnect(_complete(state, request, generation, plan), raw)
-    finally:
-        generation.close()
+    return await respond(
+        raw,
+        request.stream,
+        lambda: _stream(state, request, generation, plan),
+        lambda: _complete(state, request, generation, plan),
+        generation.close,
+    )
 
 
 async def _complete(

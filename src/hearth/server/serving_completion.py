@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from hearth.server.disconnect import StreamingResponseWithCleanup, run_until_disconnect
+from hearth.server.disconnect import respond
 from hearth.server.errors import APIError, bad_request
 from hearth.server.generation import (
     CompletionLogprobs,
@@ -77,14 +77,13 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     generation = Generation(state, request_id, token_lists, params, request.cache_salt, prompt_index)
     generation.admit()
     echoes = [engine.tokenizer.decode(tokens) if request.echo else "" for tokens in token_lists]
-    if request.stream:
-        return StreamingResponseWithCleanup(
-            _stream(state, request, generation, echoes), generation.close, media_type="text/event-stream"
-        )
-    try:
-        return await run_until_disconnect(_complete(state, request, generation, echoes), raw)
-    finally:
-        generation.close()
+    return await respond(
+        raw,
+        request.stream,
+        lambda: _stream(state, request, generation, echoes),
+        lambda: _complete(state, request, generation, echoes),
+        generation.close,
+    )
 
 
 async def _complete(
