@@ -1,7 +1,7 @@
 """A/B of one engine fast path, in one process: decode steps alternately with it on and off.
 
     python scripts/bench_decode_step.py --model /tmp/bench-models/llama-tiny-rand --batch 64 \\
-        --prompt-len 128 --threads 1 --toggle kernel|linears|lm_head
+        --prompt-len 128 --threads 1 --toggle kernel|bf16
 
 Prints the median and best step time of each side over interleaved rounds, and their ratio.
 """
@@ -31,22 +31,16 @@ def toggles(engine: Engine, name: str) -> Callable[[bool], None]:
             cpu_kernels._kernel = kernel if on else None
 
         return set_kernel
-    if name == "linears":
-        layers = [m for m in model.modules() if isinstance(m, Linear)]
-        packed = [m.packed_weight for m in layers]
+    if name == "bf16":
+        cpu_kernels.bf16_skinny_linear_kernel(wait=True)
+        weights = [m.prepared for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_weights]
+        copies = [w.bf16 for w in weights]
 
-        def set_linears(on: bool) -> None:
-            for layer, weight in zip(layers, packed):
-                layer.packed_weight = weight if on else None
+        def set_bf16(on: bool) -> None:
+            for w, copy in zip(weights, copies):
+                w.bf16 = copy if on else None
 
-        return set_linears
-    if name == "lm_head":
-        saved = (model.lm_head_t, model.lm_head_packed)
-
-        def set_lm_head(on: bool) -> None:
-            model.lm_head_t, model.lm_head_packed = saved if on else (None, None)
-
-        return set_lm_head
+        return set_bf16
     raise SystemExit(f"unknown toggle {name!r}")
 
 
@@ -56,7 +50,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--toggle", choices=["kernel", "linears", "lm_head"], required=True)
+    parser.add_argument("--toggle", choices=["kernel", "bf16"], required=True)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()

@@ -1,4 +1,5 @@
-"""The compiled paged decode-attention kernel against the torch path (gather + SDPA), and in the engine."""
+"""The compiled CPU kernels against torch (paged decode attention against gather + SDPA, the bf16
+skinny linear against a float64 product) and in the engine against transformers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from hf_oracle import hf_greedy
 
 from hearth import LLM, SamplingParams
+from hearth.model.layers import Linear
 from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionContext, _decode_attention
 
@@ -55,3 +57,46 @@ def test_engine_with_kernel_matches_transformers(tiny_model_factory):
     assert cpu_kernels.paged_decode_attention_kernel() is not None
     for prompt, result in zip(prompts, results):
         assert result.token_ids == hf_greedy(model_dir, prompt, 20)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (37, 13), (300, 136), (5, 7)])
+def test_bf16_skinny_linear_matches_float64(rows, out_features, in_features):
+    skinny = cpu_kernels.bf16_skinny_linear_kernel()
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features)
+    x = torch.randn(rows + 2, in_features)[1:-1]  # a view: row stride kept, rows offset
+    expected = x.double() @ weight.double().t()
+    torch.testing.assert_close(skinny(x, weight).double(), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        skinny(x, weight, bias).double(), expected + bias.double(), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_bf16_skinny_linear_rejects_wrong_inputs():
+    skinny = cpu_kernels.bf16_skinny_linear_kernel()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        skinny(torch.randn(1, 8), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="features"):
+        skinny(torch.randn(1, 8), torch.randn(4, 6).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "arch,overrides", [("llama", {"tie_word_embeddings": True}), ("qwen2", {}), ("qwen3", {})]
+)
+def test_bf16_checkpoint_keeps_bf16_weights_and_matches_transformers(tiny_model_factory, arch, overrides):
+    model_dir = tiny_model_factory(arch, weights_dtype="bfloat16", **overrides)
+    llm = LLM(str(model_dir), dtype="float32", page_size=8)
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    # Every projection runs from its bf16 copy at decode batch sizes; no float32 copy is kept beside the packed one.
+    assert linears and all(m.prepared.bf16 is not None for m in linears)
+    assert all(m.weight is None for m in linears if m.prepared.packed is not None)
+    assert llm.engine.model.lm_head_weights.bf16 is not None
+    prompts = [[(11 * i + 5) % 500 for i in range(n)] for n in (3, 17, 30)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    together = llm.generate(prompts, params)  # prefill through oneDNN, decode of 3 rows through the kernel
+    alone = llm.generate(prompts[:1], params)
+    assert alone[0].token_ids == together[0].token_ids
+    for prompt, result in zip(prompts, together):
+        assert result.token_ids == hf_greedy(model_dir, prompt, 16)

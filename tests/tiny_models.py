@@ -108,6 +108,7 @@ def make_tiny_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0,
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab_size = overrides.pop("tokenizer_vocab_size", 512)
+    weights_dtype = overrides.pop("weights_dtype", "float32")  # "bfloat16": a bf16 checkpoint
     cached = _TOKENIZER_CACHE.get(vocab_size)
     if cached is not None and (cached / "tokenizer.json").exists():
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -151,6 +152,8 @@ def make_tiny_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0,
                 param.normal_(0.0, 0.08)
             elif "bias" in str(param):
                 param.normal_(0.0, 0.05)
+    if weights_dtype != "float32":
+        model.to(getattr(torch, weights_dtype))
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
     return path

@@ -10,7 +10,7 @@ from torch import nn
 from hearth.model.config import ModelConfig
 from hearth.model.rotary import apply_rotary
 from hearth.ops.attention import AttentionContext, paged_attention, write_kv
-from hearth.ops.linear import linear, prepack_weight
+from hearth.ops.linear import LinearWeights, linear, prepare_linear_weights
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -20,15 +20,23 @@ ACTIVATIONS = {
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` that, once prepared, takes the CPU's prepacked-weight path at decode batch sizes."""
+    """`nn.Linear` that, once prepared, picks a CPU fast path per call (`hearth.ops.linear`).
 
-    packed_weight: torch.Tensor | None = None
+    Preparing replaces `weight` by the layouts `linear` uses; the float32 weight itself is dropped
+    where a prepacked copy serves every row count, so weights are not held twice.
+    """
+
+    prepared: LinearWeights | None = None
 
     def prepare_for_inference(self) -> None:
-        self.packed_weight = prepack_weight(self.weight)
+        self.prepared = prepare_linear_weights(self.weight)
+        if self.prepared.fp32 is None:
+            self.weight = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        if self.prepared is None:
+            return super().forward(x)
+        return linear(x, self.prepared, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -54,9 +62,7 @@ class Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None

@@ -1,12 +1,15 @@
 """Compiled CPU kernels (C++ through torch's extension builder), built in the background.
 
-The paged decode attention kernel reads keys and values in place from their pages, one sequence
-per work item, where the torch path first gathers them into contiguous tensors: 2-3x faster on
-its own, decode steps 0.8-0.9x as long at 128-256 tokens of context and 0.3x at 1,024
-(docs/benchmarks.md). Building takes ~40 s the first time on a machine and is cached
-(per CPU feature set) under torch's extension directory, so the engine starts at once on the
-torch path and switches to the kernel when it is ready. `HEARTH_CPU_KERNELS=0` turns it off;
-a failed build only logs a warning.
+- The paged decode attention kernel reads keys and values in place from their pages, one sequence
+  per work item, where the torch path first gathers them into contiguous tensors: 2-3x faster on
+  its own, decode steps 0.8-0.9x as long at 128-256 tokens of context and 0.3x at 1,024.
+- The bf16 skinny linear multiplies a few float32 rows by a bfloat16 weight: small-batch decode
+  reads half the weight bytes of a float32 copy (docs/benchmarks.md).
+
+Building takes ~60 s the first time on a machine and is cached (per CPU feature set) under
+torch's extension directory, so the engine starts at once on the torch paths and switches to the
+kernels when they are ready. `HEARTH_CPU_KERNELS=0` turns them off; a failed build only logs a
+warning.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name
+    for name in ("bindings.cpp", "paged_decode_attention.cpp", "bf16_skinny_linear.cpp")
+]
 # Vectorized float reductions need reassociation; finite-math is not assumed (masks use -inf).
 _CFLAGS = [
     "-O3",
@@ -35,7 +41,8 @@ _CFLAGS = [
 _STALE_LOCK_S = 600  # a build takes ~40 s; a lock this old belongs to a dead process
 
 _lock = threading.Lock()
-_kernel: Callable[..., object] | None = None
+_kernel: Callable[..., object] | None = None  # paged decode attention
+_skinny_linear: Callable[..., object] | None = None
 _build_thread: threading.Thread | None = None
 
 
@@ -67,25 +74,24 @@ def _clear_stale_lock(name: str) -> None:
 
 
 def _build() -> None:
-    global _kernel
+    global _kernel, _skinny_linear
     try:
         from torch.utils.cpp_extension import load
 
-        name = f"hearth_paged_attention_{_cpu_tag()}"
+        name = f"hearth_cpu_kernels_{_cpu_tag()}"
         _clear_stale_lock(name)
         module = load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in _SOURCES],
             extra_cflags=_CFLAGS,
             verbose=False,
         )
     except Exception as exc:  # no compiler, no headers: the torch path stays
-        logger.warning(
-            "CPU attention kernel unavailable (%s); using the torch path", str(exc).splitlines()[0]
-        )
+        logger.warning("CPU kernels unavailable (%s); using the torch paths", str(exc).splitlines()[0])
         return
     _kernel = module.paged_decode_attention
-    logger.info("CPU paged decode attention kernel ready")
+    _skinny_linear = module.bf16_skinny_linear
+    logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear)")
 
 
 def start_build() -> None:
@@ -106,3 +112,10 @@ def paged_decode_attention_kernel(wait: bool = False) -> Callable[..., object] |
         if _build_thread is not None:
             _build_thread.join()
     return _kernel
+
+
+def bf16_skinny_linear_kernel(wait: bool = False) -> Callable[..., object] | None:
+    """`bf16_skinny_linear(x, weight, bias=None)` once built (or, with `wait`, once the build ends); else None."""
+    if wait:
+        paged_decode_attention_kernel(wait=True)
+    return _skinny_linear

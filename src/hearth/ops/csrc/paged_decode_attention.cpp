@@ -84,7 +84,3 @@ torch::Tensor paged_decode_attention(
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU, float32)");
-}

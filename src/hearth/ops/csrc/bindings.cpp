@@ -1,0 +1,13 @@
+// One extension module for every CPU kernel, so they build (and are cached) together.
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                     torch::Tensor page_table, torch::Tensor context_lens,
+                                     torch::Tensor first_positions, int64_t page_size, double scale);
+torch::Tensor bf16_skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU, float32)");
+  m.def("bf16_skinny_linear", &bf16_skinny_linear, "x @ w^T for a few float32 rows and a bfloat16 weight (CPU)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+}
