@@ -22,6 +22,7 @@ from hearth.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_gene
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
 from hearth.engine.stop_checker import StopStringMatcher
+from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.kv.prefix_keys import root_key
@@ -84,6 +85,7 @@ class Engine:
         # The embedding may be padded past the tokenizer's ids; those columns are never sampled.
         sample_vocab = min(self.model_config.vocab_size, self.tokenizer.vocab_size)
         self.sampler = Sampler(sample_vocab, self.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids)
         torch.manual_seed(config.seed)
         self._kv_layout_tag = layout.describe()
         self._requests: dict[str, Request] = {}
@@ -160,10 +162,19 @@ class Engine:
             if params.stop
             else None,
             generator=make_generator(params.seed) if params.seed is not None else None,
+            grammar=self._new_grammar(params),
         )
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _new_grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        if params.structured_output is None:
+            return None
+        try:
+            return self.structured.new_matcher(params.structured_output)
+        except ValueError as exc:
+            raise InvalidParamError("response_format", str(exc)) from exc
 
     def abort(self, request_id: str, reason: str = "aborted") -> RequestOutput | None:
         request = self._requests.get(request_id)
@@ -206,6 +217,7 @@ class Engine:
             )
             for item in sampling
         ]
+        self.structured.mask_logits(logits, [item.request.grammar for item in sampling])
         sampled: SamplerOutput = self.sampler(logits, rows)
         outputs = []
         for item, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
@@ -224,6 +236,9 @@ class Engine:
         if request.logprobs is not None and logprob is not None:
             request.logprobs.append(logprob)
         num_output = len(request.output_token_ids)
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            request.finish_reason, request.error = "error", f"structured output: {request.grammar.error}"
+            return self._finish(request, [], "")
         stopped_by_token = False
         if token_id in params.stop_token_ids and num_output > params.min_tokens:
             request.finish_reason, request.stop_reason, stopped_by_token = "stop", token_id, True
@@ -236,6 +251,8 @@ class Engine:
             text, matched = request.stop_matcher.feed(text)
             if matched is not None and request.finish_reason is None:
                 request.finish_reason, request.stop_reason = "stop", matched
+        if request.finish_reason is None and request.grammar is not None and request.grammar.is_terminated:
+            request.finish_reason = "stop"  # the JSON is complete; only EOS could follow
         if request.finish_reason is None and num_output >= request.max_output_tokens:
             request.finish_reason = "length"
         if request.finish_reason is not None:
@@ -269,6 +286,7 @@ class Engine:
             else:
                 text += tail
         request.output_text += text
+        request.grammar = None
         self.scheduler.finish(request)
         del self._requests[request.request_id]
         self._totals["prompt"] += request.num_prompt_tokens

@@ -11,6 +11,7 @@ from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.stop_checker import StopStringMatcher
+from hearth.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -30,6 +31,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # set when the answer is constrained (structured output)
 
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the KV cache holds
     output_token_ids: list[int] = field(default_factory=list)

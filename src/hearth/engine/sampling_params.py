@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hearth.engine.structured_output import StructuredOutput
+
 
 class InvalidParamError(ValueError):
     """A sampling parameter out of range; `param` names it for the API's error object."""
@@ -19,7 +21,8 @@ class SamplingParams:
     """Per-request sampling and stopping. Defaults follow vLLM's (temperature 1.0, max_tokens 16).
 
     `max_tokens=None` means "until the context is full". `logprobs=None` returns none; `0` the
-    sampled token's logprob only; `N` also the top N alternatives.
+    sampled token's logprob only; `N` also the top N alternatives. `structured_output` constrains the
+    answer to JSON (see hearth.engine.structured_output); share one spec across choices so it compiles once.
     """
 
     max_tokens: int | None = 16
@@ -38,6 +41,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    structured_output: StructuredOutput | None = None
 
     MAX_TOP_LOGPROBS = 20
 
@@ -100,3 +104,10 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not isinstance(token_id, int) or token_id < 0:
                 raise InvalidParamError("stop_token_ids", "stop_token_ids must be non-negative integers")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise InvalidParamError("response_format", "structured_output must be a StructuredOutput")
+            try:
+                self.structured_output.validate()
+            except ValueError as exc:
+                raise InvalidParamError("response_format", str(exc)) from exc

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from hearth.engine.outputs import RequestOutput, TokenLogprob
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
+from hearth.engine.structured_output import StructuredOutput
 from hearth.server.errors import APIError, bad_request
 from hearth.server.protocol import SamplingRequest
 from hearth.server.state import ServerState
@@ -72,6 +73,18 @@ def resolve_max_tokens(
     return requested
 
 
+def structured_output(request: SamplingRequest) -> StructuredOutput | None:
+    """The request's `response_format` as the engine's spec (one per request: its choices share it)."""
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutput.json_object()
+    spec = response_format.json_schema
+    assert spec is not None and spec.schema_ is not None  # the protocol model checks it
+    return StructuredOutput.json_schema(spec.schema_, strict=bool(spec.strict), name=spec.name)
+
+
 def sampling_params(
     request: SamplingRequest,
     max_tokens: int,
@@ -79,6 +92,7 @@ def sampling_params(
     extra_stop: list[str] | None = None,
     skip_special_tokens: bool | None = None,
     choice_index: int = 0,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     seed = request.seed
@@ -104,6 +118,7 @@ def sampling_params(
             if skip_special_tokens is None
             else skip_special_tokens,
             min_tokens=request.min_tokens,
+            structured_output=structured,
         )
     except InvalidParamError as exc:
         raise bad_request(str(exc), param=exc.param, code="invalid_value") from exc

@@ -45,9 +45,25 @@ class NamedToolChoice(_Model):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Model):
+    # OpenAI requires `name`; harnesses that leave it out still get their schema enforced.
+    name: Annotated[str, Field(max_length=64)] | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError(
+                'type "json_schema" needs json_schema.schema, the JSON schema the answer must fit'
+            )
+        return self
 
 
 class FunctionCall(_Model):
@@ -100,6 +116,7 @@ class SamplingRequest(_Model):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> SamplingRequest:
@@ -116,7 +133,6 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

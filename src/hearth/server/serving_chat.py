@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from hearth.engine.structured_output import StructuredOutput, json_schema_lark
 from hearth.server.chat_template import ChatTemplateError, normalize_messages
 from hearth.server.disconnect import respond
 from hearth.server.errors import APIError, bad_request
@@ -23,8 +25,9 @@ from hearth.server.generation import (
     off_loop_if_large,
     resolve_max_tokens,
     sampling_params,
+    structured_output,
 )
-from hearth.server.protocol import ChatCompletionRequest, NamedToolChoice
+from hearth.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 from hearth.server.sse import DONE_EVENT, sse_event
 from hearth.server.state import ServerState
 from hearth.server.tool_calls import ToolCallExtractor, extract_all, new_call_id
@@ -42,6 +45,7 @@ class _ToolPlan:
         names = {tool.function.name for tool in tools}
         self.forced_function: str | None = None
         self.forced_prefix = ""
+        self.grammar: StructuredOutput | None = None  # what a forced call's text must be, when known
         self.parser: ToolParser | None = None
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in names:
@@ -69,11 +73,44 @@ class _ToolPlan:
         if prefix is None:
             raise bad_request(f"the {parser.name} tool-call format cannot force a tool call", "tool_choice")
         self.forced_prefix = prefix
+        self.grammar = _forced_call_grammar(parser, tools, self.forced_function)
+        if self.grammar is not None:
+            try:
+                self.grammar.validate()
+            except ValueError as exc:
+                raise bad_request(f"a tool's parameters cannot be enforced: {exc}", "tools") from exc
 
     def extractor(self) -> ToolCallExtractor | None:
         if self.parser is None:
             return None
         return ToolCallExtractor(self.parser, self.forced_prefix, self.forced_function)
+
+
+# A forced prefix that ends here leaves the model at the start of a JSON call's arguments object.
+_ARGUMENTS_OPENERS = ('"arguments":', '"parameters":')
+
+
+def _forced_call_grammar(
+    parser: ToolParser, tools: list[ToolDefinition], forced_function: str | None
+) -> StructuredOutput | None:
+    """The rest of a forced call as a grammar: (the tool's name, for `required`) + arguments that fit its
+    parameters + the `}` closing the call. Only for JSON call formats whose forced prefix for a named
+    function ends at the arguments (Hermes/Qwen); None otherwise, and the call is then only prompted."""
+    opening = parser.forced_prefix(forced_function)
+    if opening is None:
+        return None
+    alternatives = []
+    for tool in tools:
+        if forced_function is not None and tool.function.name != forced_function:
+            continue
+        full = parser.forced_prefix(tool.function.name)
+        if full is None or not full.startswith(opening) or not full.rstrip().endswith(_ARGUMENTS_OPENERS):
+            return None
+        schema = {"type": "object", **(tool.function.parameters or {})}
+        rest = full[len(opening) :]
+        arguments = json_schema_lark(schema, strict=bool(tool.function.strict))
+        alternatives.append(f"{json.dumps(rest)} {arguments}" if rest else arguments)
+    return StructuredOutput.lark_grammar(f'start: ({" | ".join(alternatives)}) "}}"')
 
 
 def _tool_call_dicts(calls: list[ParsedToolCall], first_index: int = 0) -> list[dict[str, Any]]:
@@ -103,13 +140,15 @@ async def create_chat_completion(
         raise bad_request(state.chat_template_error or "this model has no chat template", "messages")
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    if request.response_format is not None and request.response_format.type == "json_schema":
+    plan = _ToolPlan(state, request)
+    structured = structured_output(request)
+    if structured is not None and plan.forced_prefix:
         raise bad_request(
-            "response_format json_schema is not supported yet (no constrained decoding); "
-            "use json_object or describe the schema in the prompt",
+            "response_format json_object/json_schema cannot be combined with a forced tool_choice "
+            "('required' or a named function); drop one of them",
             "response_format",
         )
-    plan = _ToolPlan(state, request)
+    structured = structured or plan.grammar
     template = state.chat_template
 
     def render_and_encode() -> list[int]:
@@ -145,6 +184,7 @@ async def create_chat_completion(
             [end_stop] if end_stop else None,
             False if keep_specials else None,
             i,
+            structured,
         )
         for i in range(request.n)
     ]

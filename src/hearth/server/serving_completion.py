@@ -22,6 +22,7 @@ from hearth.server.generation import (
     off_loop_if_large,
     resolve_max_tokens,
     sampling_params,
+    structured_output,
 )
 from hearth.server.protocol import CompletionRequest
 from hearth.server.sse import DONE_EVENT, sse_event
@@ -62,13 +63,16 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     token_lists: list[list[int]] = []
     params = []
     prompt_index = []
+    structured = structured_output(request)
     for p, tokens in enumerate(prompts):
         max_tokens = resolve_max_tokens(
             request.max_tokens, len(tokens), engine.max_model_len, DEFAULT_MAX_TOKENS, "prompt"
         )
         for i in range(n):
             token_lists.append(tokens)
-            params.append(sampling_params(request, max_tokens, request.logprobs, choice_index=i))
+            params.append(
+                sampling_params(request, max_tokens, request.logprobs, choice_index=i, structured=structured)
+            )
             prompt_index.append(p)
     request_id = new_request_id("cmpl")
     affinity = raw.headers.get("x-session-affinity")
