@@ -5,7 +5,11 @@
 // with float32 activations and accumulation this computes what an f32 model loaded from the same
 // bf16 checkpoint computes, up to summation order. GCC/Clang vector extensions keep it portable:
 // -march=native turns them into AVX2/AVX-512 (or NEON) code.
-#include <torch/extension.h>
+// ATen headers only: torch/extension.h (pybind, autograd) triples the compile time; bindings.cpp has it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cstdint>
 #include <cstring>
@@ -83,20 +87,20 @@ constexpr int64_t kMaxTileRows = 4;
 
 }  // namespace
 
-torch::Tensor bf16_skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+at::Tensor bf16_skinny_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "bf16_skinny_linear: x must be [rows, in] float32 with unit inner stride");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(),
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
               "bf16_skinny_linear: weight must be a contiguous [out, in] bfloat16 tensor");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   TORCH_CHECK(weight.size(1) == k, "bf16_skinny_linear: x has ", k, " features, weight expects ", weight.size(1));
   const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
                 "bf16_skinny_linear: bias must be a contiguous float32 [out]");
     bias_ptr = bias->data_ptr<float>();
   }
-  auto y = torch::empty({m, n}, x.options());
+  auto y = at::empty({m, n}, x.options());
   const float* x_ptr = x.data_ptr<float>();
   const uint16_t* w_ptr = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   float* y_ptr = y.data_ptr<float>();

@@ -4,7 +4,7 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                      torch::Tensor page_table, torch::Tensor context_lens,
                                      torch::Tensor first_positions, int64_t page_size, double scale);
-torch::Tensor bf16_skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor bf16_skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU, float32)");

@@ -1,30 +1,34 @@
 // Decode attention over a paged KV pool on CPU: one query token per sequence, keys and values
 // read in place from their pages (no gather into contiguous tensors). Float32 only.
-#include <torch/extension.h>
+// ATen headers only: torch/extension.h (pybind, autograd) triples the compile time; bindings.cpp has it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-torch::Tensor paged_decode_attention(
-    torch::Tensor q,            // [n, heads, dim]
-    torch::Tensor k_pool,       // [num_slots, kv_heads, dim]
-    torch::Tensor v_pool,       // [num_slots, kv_heads, dim]
-    torch::Tensor page_table,   // [n, max_pages] int64
-    torch::Tensor context_lens, // [n] int64
-    torch::Tensor first_positions, // [n] int64: first key position each row attends to (sliding window)
+at::Tensor paged_decode_attention(
+    at::Tensor q,            // [n, heads, dim]
+    at::Tensor k_pool,       // [num_slots, kv_heads, dim]
+    at::Tensor v_pool,       // [num_slots, kv_heads, dim]
+    at::Tensor page_table,   // [n, max_pages] int64
+    at::Tensor context_lens, // [n] int64
+    at::Tensor first_positions, // [n] int64: first key position each row attends to (sliding window)
     int64_t page_size,
     double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_pool.scalar_type() == torch::kFloat32 &&
-              v_pool.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
+              v_pool.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
               page_table.is_contiguous(), "paged_decode_attention: contiguous inputs only");
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_pool.size(1);
   const int64_t group = heads / kv_heads;
   const int64_t max_pages = page_table.size(1);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* q_ptr = q.data_ptr<float>();
   const float* k_ptr = k_pool.data_ptr<float>();
   const float* v_ptr = v_pool.data_ptr<float>();
