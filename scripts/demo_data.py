@@ -818,6 +818,31 @@ def _request_turn(offered: list[Tool], rng: random.Random) -> tuple[list[ToolReq
     return [request], _decorate(request.request_text, rng)
 
 
+UNAVAILABLE_REPLIES = [
+    "I can't do that: the only tools I have here are {names}.",
+    "Sorry, none of my tools can do that. I can use {names}.",
+    "That is not something my tools cover; I have {names}.",
+]
+
+
+UNAVAILABLE_SHARE = 0.12  # request turns preceded by a request for a tool that is not offered
+
+
+def _unavailable_turn(offered: list[Tool], rng: random.Random) -> tuple[str, str] | None:
+    """A request for a tool that is not offered, answered in words that name the offered tools.
+
+    Without such turns the user's wording alone picks the tool, so a small model learns to ignore the
+    offered list and calls tools that are not there.
+    """
+    others = [t for t in TOOLS if t not in offered]
+    if not others:
+        return None
+    request = _make_request(rng.choice(others), rng)
+    names = [t.name for t in offered]
+    names = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    return _decorate(request.request_text, rng), rng.choice(UNAVAILABLE_REPLIES).format(names=names)
+
+
 def make_conversation(rng: random.Random) -> Conversation:
     """One synthetic agent conversation, drawn from `rng`.
 
@@ -842,6 +867,9 @@ def make_conversation(rng: random.Random) -> Conversation:
 
     call_indices = []
     for _ in range(rng.choices([1, 2, 3, 4], [55, 25, 13, 7])[0]):
+        unavailable = _unavailable_turn(offered, rng) if rng.random() < UNAVAILABLE_SHARE else None
+        if unavailable:
+            messages += [{"role": "user", "content": unavailable[0]}, {"role": "assistant", "content": unavailable[1]}]
         requests, user_text = _request_turn(offered, rng)
         messages.append({"role": "user", "content": user_text})
         call_indices.append(len(messages))

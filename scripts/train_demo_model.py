@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import random
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -239,14 +240,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it)")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--split-spaces", action="store_true", help="pre-tokenize spaces apart from words")
-    parser.add_argument("--num-conversations", type=int, default=7000)
+    parser.add_argument("--num-conversations", type=int, default=12000)
     parser.add_argument("--stdlib-chars", type=int, default=1_500_000)
     parser.add_argument("--max-seq-tokens", type=int, default=768)
     parser.add_argument(
         "--stdlib-share", type=float, default=0.08, help="share of training examples from stdlib"
     )
     parser.add_argument("--assistant-weight", type=float, default=6.0, help="loss weight of assistant tokens")
-    parser.add_argument("--target-steps", type=int, default=1300)
+    parser.add_argument("--target-steps", type=int, default=3000)
     parser.add_argument("--target-batch-size", type=int, default=4)
     parser.add_argument("--target-lr", type=float, default=3e-3)
     parser.add_argument("--draft-steps", type=int, default=1000)
@@ -323,6 +324,18 @@ def train_stage(args: argparse.Namespace, role: str, conv_texts: list[str], stdl
     (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
 
 
+def _without_option(argv: list[str], option: str) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -331,9 +344,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage in ("all", "tokenizer"):
         train_tokenizer(conv_texts + stdlib_texts, args.vocab_size, args.out_dir / "demo", args.split_spaces)
         print(f"tokenizer trained in {time.monotonic() - started_s:.0f}s", flush=True)
-    for role in ("target", "draft"):
-        if args.stage in ("all", role):
-            train_stage(args, role, conv_texts, stdlib_texts)
+    if args.stage == "all":
+        # Target and draft side by side, one process (and core) each: results do not depend on it.
+        stage_argv = _without_option(argv if argv is not None else sys.argv[1:], "--stage")
+        children = [
+            subprocess.Popen([sys.executable, __file__, *stage_argv, "--stage", role])
+            for role in ("target", "draft")
+        ]
+        if any(child.wait() != 0 for child in children):
+            return 1
+    elif args.stage in ("target", "draft"):
+        train_stage(args, args.stage, conv_texts, stdlib_texts)
     print(f"done in {time.monotonic() - started_s:.0f}s", flush=True)
     return 0
 
