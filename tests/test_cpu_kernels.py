@@ -59,7 +59,7 @@ def test_engine_with_kernel_matches_transformers(tiny_model_factory):
         assert result.token_ids == hf_greedy(model_dir, prompt, 20)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17])
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (37, 13), (300, 136), (5, 7)])
 def test_bf16_skinny_linear_matches_float64(rows, out_features, in_features):
     skinny = cpu_kernels.bf16_skinny_linear_kernel()
@@ -93,9 +93,9 @@ def test_bf16_checkpoint_keeps_bf16_weights_and_matches_transformers(tiny_model_
     assert linears and all(m.prepared.bf16 is not None for m in linears)
     assert all(m.weight is None for m in linears if m.prepared.packed is not None)
     assert llm.engine.model.lm_head_weights.bf16 is not None
-    prompts = [[(11 * i + 5) % 500 for i in range(n)] for n in (3, 17, 30)]
+    prompts = [[(11 * i + 5) % 500 for i in range(n)] for n in (3, 17, 30, 9, 21, 4)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    together = llm.generate(prompts, params)  # prefill through oneDNN, decode of 3 rows through the kernel
+    together = llm.generate(prompts, params)  # prefill through oneDNN, decode of 6 rows through the kernel
     alone = llm.generate(prompts[:1], params)
     assert alone[0].token_ids == together[0].token_ids
     for prompt, result in zip(prompts, together):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +33,7 @@ _SOURCES = [
 # Vectorized float reductions need reassociation; finite-math is not assumed (masks use -inf).
 _CFLAGS = [
     "-O3",
+    "-fopenmp",  # at::parallel_for is OpenMP inline code: without it every kernel runs on one thread
     "-march=native",
     "-fno-math-errno",
     "-fassociative-math",
@@ -38,7 +41,7 @@ _CFLAGS = [
     "-fno-trapping-math",
 ]
 
-_STALE_LOCK_S = 600  # a build takes ~40 s; a lock this old belongs to a dead process
+_STALE_LOCK_S = 300  # a build takes ~1 min (3 under load); a lock this old belongs to a dead builder
 
 _lock = threading.Lock()
 _kernel: Callable[..., object] | None = None  # paged decode attention
@@ -73,6 +76,36 @@ def _clear_stale_lock(name: str) -> None:
         pass
 
 
+def _compile_detached(name: str) -> None:
+    """Compile (or find up to date) the extension in a child process of its own session.
+
+    torch's builder holds a lock file while it compiles. A server stopped mid-build (SIGTERM, a test
+    ending) would leave that lock behind, and every later start would wait on it forever; a
+    detached child finishes the build (and releases the lock) whatever happens to us.
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
+    log = Path(_get_build_directory(name, verbose=False)) / "hearth-build.log"
+    with open(log, "w") as out:
+        code = subprocess.Popen(
+            [sys.executable, "-c", _BUILD_SNIPPET, name, repr(_CFLAGS), *map(str, _SOURCES)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ).wait()
+    if code != 0:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        raise RuntimeError(lines[-1] if lines else f"build exited with {code}")
+
+
+_BUILD_SNIPPET = """
+import ast, sys
+from torch.utils.cpp_extension import load
+load(name=sys.argv[1], sources=sys.argv[3:], extra_cflags=ast.literal_eval(sys.argv[2]), verbose=False)
+"""
+
+
 def _build() -> None:
     global _kernel, _skinny_linear
     try:
@@ -80,6 +113,8 @@ def _build() -> None:
 
         name = f"hearth_cpu_kernels_{_cpu_tag()}"
         _clear_stale_lock(name)
+        _compile_detached(name)
+        # Up to date now: this only loads the library.
         module = load(
             name=name,
             sources=[str(path) for path in _SOURCES],

@@ -23,8 +23,9 @@ from hearth.ops.cpu_kernels import bf16_skinny_linear_kernel
 
 PACKED_MIN_ROWS = 2
 PACKED_MAX_ROWS = 256
-# Up to this many rows the bf16 kernel (one pass over half the bytes) beats oneDNN's float32 path.
-BF16_MAX_ROWS = 4
+# Up to this many rows the bf16 kernel (passes of 8 rows over half the bytes) beats oneDNN's float32
+# path: decode steps 0.53x as long at batch 1-4, 0.63x at 8, 0.86x at 16, 1.06x at 32 (2 threads).
+BF16_MAX_ROWS = 16
 
 
 @dataclass

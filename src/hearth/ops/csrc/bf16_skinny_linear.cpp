@@ -14,6 +14,10 @@
 #include <cstdint>
 #include <cstring>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int kLanes = 8;
@@ -22,12 +26,18 @@ typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 inline f32x8 load_bf16(const uint16_t* p) {
+#ifdef __AVX2__
+  // GCC lowers the generic widening below to four shuffles; AVX2 has it as one instruction.
+  const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<f32x8>(_mm256_castsi256_ps(bits));
+#else
   u16x8 half;
   std::memcpy(&half, p, sizeof(half));
   u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
   f32x8 out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
+#endif
 }
 
 inline f32x8 load_f32(const float* p) {
@@ -37,9 +47,17 @@ inline f32x8 load_f32(const float* p) {
 }
 
 inline float sum_lanes(f32x8 v) {
+#ifdef __AVX2__
+  const __m256 x = reinterpret_cast<__m256>(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+#else
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
+#endif
 }
 
 inline float bf16_to_f32(uint16_t h) {
@@ -49,41 +67,53 @@ inline float bf16_to_f32(uint16_t h) {
   return out;
 }
 
-// R output features x M rows at a time: each weight vector loaded once serves all M rows, and
-// the R * M independent accumulators hide the FMA latency.
-template <int R, int M>
+// R output features x M rows at a time, over U consecutive vectors of the reduction per step:
+// each weight vector loaded once serves all M rows, and U * R * M independent FMA chains hide the
+// FMA latency. Few concurrent weight rows (small R) keep the weight read one sequential stream,
+// which the hardware prefetcher follows at full bandwidth; several rows read side by side do not.
+template <int R, int M, int U>
 void tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t k, float* y, int64_t y_stride,
           const float* bias) {
-  f32x8 acc[R][M] = {};
-  const int64_t k_vec = k - k % kLanes;
-  for (int64_t i = 0; i < k_vec; i += kLanes) {
-    f32x8 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load_bf16(w + r * k + i);
-    for (int m = 0; m < M; ++m) {
-      const f32x8 xv = load_f32(x + m * x_stride + i);
-      for (int r = 0; r < R; ++r) acc[r][m] += wv[r] * xv;
+  f32x8 acc[U][R][M] = {};
+  const int64_t k_block = k - k % (U * kLanes);
+  int64_t i = 0;
+  for (; i < k_block; i += U * kLanes) {
+    for (int u = 0; u < U; ++u) {
+      f32x8 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = load_bf16(w + r * k + i + u * kLanes);
+      for (int m = 0; m < M; ++m) {
+        const f32x8 xv = load_f32(x + m * x_stride + i + u * kLanes);
+        for (int r = 0; r < R; ++r) acc[u][r][m] += wv[r] * xv;
+      }
+    }
+  }
+  for (; i + kLanes <= k; i += kLanes) {
+    for (int r = 0; r < R; ++r) {
+      const f32x8 wv = load_bf16(w + r * k + i);
+      for (int m = 0; m < M; ++m) acc[0][r][m] += wv * load_f32(x + m * x_stride + i);
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int m = 0; m < M; ++m) {
-      float s = sum_lanes(acc[r][m]);
-      for (int64_t i = k_vec; i < k; ++i) s += bf16_to_f32(w[r * k + i]) * x[m * x_stride + i];
+      f32x8 total = acc[0][r][m];
+      for (int u = 1; u < U; ++u) total += acc[u][r][m];
+      float s = sum_lanes(total);
+      for (int64_t j = i; j < k; ++j) s += bf16_to_f32(w[r * k + j]) * x[m * x_stride + j];
       y[m * y_stride + r] = s + (bias ? bias[r] : 0.f);
     }
   }
 }
 
-template <int M>
+template <int R, int M, int U>
 void rows(const float* x, int64_t x_stride, const uint16_t* w, int64_t k, float* y, int64_t y_stride,
           const float* bias, int64_t begin, int64_t end) {
-  // Four features per tile for one or two rows, two beyond: stays within 16 vector registers.
-  constexpr int R = M <= 2 ? 4 : 2;
   int64_t n = begin;
-  for (; n + R <= end; n += R) tile<R, M>(x, x_stride, w + n * k, k, y + n, y_stride, bias ? bias + n : nullptr);
-  for (; n < end; ++n) tile<1, M>(x, x_stride, w + n * k, k, y + n, y_stride, bias ? bias + n : nullptr);
+  for (; n + R <= end; n += R) tile<R, M, U>(x, x_stride, w + n * k, k, y + n, y_stride, bias ? bias + n : nullptr);
+  for (; n < end; ++n) tile<1, M, U>(x, x_stride, w + n * k, k, y + n, y_stride, bias ? bias + n : nullptr);
 }
 
-constexpr int64_t kMaxTileRows = 4;
+constexpr int64_t kMaxTileRows = 8;
+
 
 }  // namespace
 
@@ -112,10 +142,15 @@ at::Tensor bf16_skinny_linear(at::Tensor x, at::Tensor weight, std::optional<at:
       const float* xb = x_ptr + m0 * x_stride;
       float* yb = y_ptr + m0 * n;
       switch (std::min(m - m0, kMaxTileRows)) {
-        case 1: rows<1>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-        case 2: rows<2>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-        case 3: rows<3>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-        default: rows<4>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        // Accumulators (U * R * M) and weight vectors within the 16 AVX2 vector registers.
+        case 1: rows<1, 1, 8>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 2: rows<1, 2, 4>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 3: rows<1, 3, 4>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 4: rows<1, 4, 2>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 5: rows<1, 5, 2>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 6: rows<1, 6, 2>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 7: rows<1, 7, 1>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        default: rows<1, 8, 1>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
       }
     }
   });
