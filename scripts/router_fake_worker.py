@@ -48,6 +48,8 @@ class FakeWorker:
     gate: asyncio.Event | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
+    # Streams whose reader (the router) hung up before the end: the worker's request was aborted.
+    streams_aborted: int = 0
 
     def build_app(self) -> web.Application:
         app = web.Application()
@@ -185,6 +187,23 @@ class FakeWorker:
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
+        try:
+            await self._stream_events(request, response, body, chat, prompt_tokens)
+        except ConnectionResetError:
+            self.streams_aborted += 1
+        except asyncio.CancelledError:
+            self.streams_aborted += 1  # served with handler_cancellation: a hang-up cancels the handler
+            raise
+        return response
+
+    async def _stream_events(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        body: dict[str, Any],
+        chat: bool,
+        prompt_tokens: int,
+    ) -> None:
         kind = "chat.completion.chunk" if chat else "text_completion"
         for i in range(self.num_chunks):
             if self.delay_s:
@@ -194,7 +213,7 @@ class FakeWorker:
                     await asyncio.sleep(3600)
                 assert request.transport is not None
                 request.transport.close()
-                return response
+                return
             choice: dict[str, Any] = {"index": 0, "finish_reason": None}
             if chat:
                 choice["delta"] = {"content": f"tok{i} "}
@@ -204,6 +223,8 @@ class FakeWorker:
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             if i == 0 and self.gate is not None:
                 await self.gate.wait()
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the reader hung up")
         if (body.get("stream_options") or {}).get("include_usage"):
             final = {
                 "id": f"cmpl-{self.name}",
@@ -215,7 +236,6 @@ class FakeWorker:
             await response.write(b"data: " + json.dumps(final).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response
 
 
 async def serve_app(app: web.Application, port: int = 0) -> tuple[web.AppRunner, str]:

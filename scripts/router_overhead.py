@@ -47,13 +47,17 @@ def body_for(i: int) -> bytes:
     return json.dumps({"model": "fake-model", "messages": messages, "max_tokens": 16}).encode()
 
 
-def router_command(name: str, policy: str) -> list[str]:
+def router_command(name: str, policy: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a target; `hearth@DIR` runs the `src/` tree under DIR."""
     workers = [f"http://127.0.0.1:{p}" for p in WORKER_PORTS]
+    env = dict(os.environ)
+    name, _, src = name.partition("@")
     if name == "hearth":
+        env["PYTHONPATH"] = str(Path(src) / "src") if src else str(ROOT / "src")
         cmd = [sys.executable, "-m", "hearth.cli", "route", "--port", str(ROUTER_PORT), "--policy", policy]
         for url in workers:
             cmd += ["--worker", url]
-        return cmd
+        return cmd, env
     peer_policy = "cache_aware" if policy == "default" else policy
     cmd = [PEERS[name]] + (["launch"] if name == "sglang" else [])
     cmd += [
@@ -67,7 +71,7 @@ def router_command(name: str, policy: str) -> list[str]:
         peer_policy,
     ]
     cmd += ["--prometheus-port", "18411", "--prometheus-host", "127.0.0.1", "--log-level", "error"]
-    return cmd
+    return cmd, env
 
 
 def cpu_seconds(pid: int) -> float:
@@ -146,14 +150,19 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=500.0)
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--targets", default="direct,hearth,sglang,vllm")
+    parser.add_argument(
+        "--targets", default="direct,hearth,sglang,vllm", help="also hearth@DIR: the src/ tree under DIR"
+    )
     parser.add_argument(
         "--policy", default="default", help="hearth's policy (peers get cache_aware for default)"
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     fake = [sys.executable, str(ROOT / "scripts" / "router_fake_worker.py")]
-    workers = [subprocess.Popen(fake + ["--port", str(p)], stdout=subprocess.DEVNULL) for p in WORKER_PORTS]
+    workers = [
+        subprocess.Popen(fake + ["--port", str(p)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for p in WORKER_PORTS
+    ]
     results: dict[str, dict[str, float]] = {}
     body_path = str(Path(tempfile.gettempdir()) / "router_overhead_body.json")
     Path(body_path).write_bytes(body_for(1))
@@ -168,9 +177,8 @@ def main() -> None:
                 if target in PEERS and not Path(PEERS[target]).exists():
                     print(f"{target}: not installed at {PEERS[target]}, skipped", flush=True)
                     continue
-                router = subprocess.Popen(
-                    router_command(target, args.policy), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-                )
+                cmd, env = router_command(target, args.policy)
+                router = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 urls = [f"http://127.0.0.1:{ROUTER_PORT}/v1/chat/completions"]
                 asyncio.run(wait_ready(urls[0]))
             try:

@@ -43,6 +43,7 @@ class PDCluster:
         self.decodes: list[Any] = []
         self.rendezvous = fake.Rendezvous()
         self.url = ""
+        self.router: Router | None = None
         self.http: aiohttp.ClientSession | None = None
 
     async def start(
@@ -75,14 +76,15 @@ class PDCluster:
             self.decodes.append(worker)
             pool.add(url, "decode")
         config = replace(RouterConfig(), pd_protocol=protocol, policy="round_robin", health_interval_s=0.5)
-        router = Router(config, pool)
-        runner, self.url = await fake.serve_app(router.build_app())
-        self.runners.append(runner)
+        self.router = Router(config, pool)
+        self.url = f"http://127.0.0.1:{await self.router.serve('127.0.0.1', 0)}"
         self.http = aiohttp.ClientSession()
 
     async def close(self) -> None:
         if self.http is not None:
             await self.http.close()
+        if self.router is not None:
+            await self.router.close()
         for runner in reversed(self.runners):
             await runner.cleanup()
 

@@ -60,13 +60,14 @@ class Cluster:
             pool.add(url, (roles or {}).get(url, "mixed"))
         base = RouterConfig(admin_key="sesame", health_interval_s=0.2, health_timeout_s=1.0)
         self.router = Router(replace(base, **config), pool)
-        runner, self.url = await fake.serve_app(self.router.build_app())
-        self.runners.append(runner)
+        self.url = f"http://127.0.0.1:{await self.router.serve('127.0.0.1', 0)}"
         self.http = aiohttp.ClientSession()
 
     async def close(self) -> None:
         if self.http is not None:
             await self.http.close()
+        if self.router is not None:
+            await self.router.close()
         for runner in reversed(self.runners):
             await runner.cleanup()
 
@@ -376,7 +377,7 @@ async def test_with_a_tokenizer_the_prefix_index_uses_engine_page_keys(
 
 async def test_a_client_that_leaves_mid_stream_releases_its_load(cluster: Cluster) -> None:
     gate = asyncio.Event()
-    await cluster.add_worker(gate=gate, num_chunks=50)
+    await cluster.add_worker(gate=gate, num_chunks=50, delay_s=0.02)
     await cluster.start_router()
     assert cluster.http is not None and cluster.router is not None
     worker = cluster.router.pool.workers[cluster.urls[0]]
@@ -392,3 +393,7 @@ async def test_a_client_that_leaves_mid_stream_releases_its_load(cluster: Cluste
         assert time.monotonic() < deadline, "the router kept a departed client's request in flight"
         await asyncio.sleep(0.05)
     assert worker.load.decode_tokens == 0 and worker.load.prefill_tokens == 0
+    # ...and the router hung up on the worker, which is how a real server learns to abort.
+    while not cluster.workers[0].streams_aborted:
+        assert time.monotonic() < deadline, "the worker's stream was never cut off"
+        await asyncio.sleep(0.05)

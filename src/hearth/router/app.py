@@ -1,4 +1,5 @@
-"""The router's HTTP front: aiohttp server in, aiohttp client out.
+"""The router's request path: the lean HTTP front (`front.py`) in, the lean keep-alive client
+(`upstream.py`) out; aiohttp only for health checks and `/v1/models`.
 
 The request path is kept in one place and in plain sight: parse -> estimate -> choose -> record
 the placement -> forward -> relay. Mixed requests forward the client's bytes untouched; only PD
@@ -16,10 +17,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from hearth.router.config import RouterConfig
 from hearth.router.errors import error_response, sse_error_event
+from hearth.router.front import HttpServer, Request, Response, StreamWriter, json_response
 from hearth.router.health import HealthChecker
 from hearth.router.metrics import RouterMetrics
 from hearth.router.pd import PDAdapter, PDPair, make_pd_adapter
@@ -31,6 +33,12 @@ from hearth.router.tokens import (
     max_output_tokens,
     prompt_text,
     prompt_token_ids,
+)
+from hearth.router.upstream import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
 )
 from hearth.router.usage import (
     SSESplitter,
@@ -46,13 +54,25 @@ log = logging.getLogger(__name__)
 
 FORWARDED_HEADERS = ("authorization", "x-request-id", "x-session-affinity")
 RETURNED_HEADERS = ("x-request-id",)
-# Errors that mean the worker never answered: the request can go elsewhere.
+# aiohttp-client errors that mean a worker never answered (health checks, /v1/models).
 CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
-ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
+JSON_HEADER_LINE = b"content-type: application/json\r\n"
 
 
 class UpstreamFailed(Exception):
     """A worker failed before sending its first byte."""
+
+
+def forwarded_header_lines(request: Request) -> bytes | None:
+    """The header lines sent upstream (content type + FORWARDED_HEADERS); None if a value is unsafe."""
+    lines = [JSON_HEADER_LINE]
+    for name in FORWARDED_HEADERS:
+        value = request.headers.get(name)
+        if value is not None:
+            if "\r" in value or "\n" in value:
+                return None
+            lines.append(b"%s: %s\r\n" % (name.encode(), value.encode("latin-1")))
+    return b"".join(lines)
 
 
 class Router:
@@ -70,13 +90,32 @@ class Router:
         )
         self.metrics = RouterMetrics(pool)
         self.session: aiohttp.ClientSession | None = None
+        self.upstream = UpstreamPool(config.connect_timeout_s, config.read_timeout_s)
         self.health: HealthChecker | None = None
+        self.server: HttpServer | None = None
         # Strong references to tasks nobody awaits (the loop keeps only weak ones).
         self._background: set[asyncio.Task[Any]] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    async def start(self, app: web.Application) -> None:
+    async def serve(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Start health checks and listen on host:port (0: any free port); returns the port."""
+        await self.start()
+        self.server = HttpServer()
+        for method, path, handler in (
+            ("POST", "/v1/chat/completions", self.generate),
+            ("POST", "/v1/completions", self.generate),
+            ("GET", "/v1/models", self.models),
+            ("GET", "/health", self.healthz),
+            ("GET", "/metrics", self.metrics_endpoint),
+            ("GET", "/admin/workers", self.admin_list),
+            ("POST", "/admin/workers", self.admin_add),
+            ("DELETE", "/admin/workers", self.admin_remove),
+        ):
+            self.server.add_route(method, path, handler)
+        return await self.server.start(host, port, reuse_port)
+
+    async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self.config.connect_timeout_s, sock_read=self.config.read_timeout_s
@@ -90,41 +129,30 @@ class Router:
         )
         self.health.start()
 
-    async def close(self, app: web.Application) -> None:
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
         if self.health is not None:
             await self.health.stop()
+        await self.upstream.close()
         if self.session is not None:
             await self.session.close()
 
-    def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app[ROUTER_KEY] = self
-        app.on_startup.append(self.start)
-        app.on_cleanup.append(self.close)
-        app.router.add_post("/v1/chat/completions", self.generate)
-        app.router.add_post("/v1/completions", self.generate)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.healthz)
-        app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_get("/admin/workers", self.admin_list)
-        app.router.add_post("/admin/workers", self.admin_add)
-        app.router.add_delete("/admin/workers", self.admin_remove)
-        return app
-
     # ---- the request path ------------------------------------------------------------------
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, request: Request) -> Response | StreamWriter:
         received_s = time.perf_counter()
-        raw = await request.read()
+        raw = request.body
         try:
             body = json.loads(raw)
         except ValueError:
             return error_response("request body is not valid JSON", 400)
         if not isinstance(body, dict):
             return error_response("request body must be a JSON object", 400)
+        headers = forwarded_header_lines(request)
+        if headers is None:
+            return error_response("header values must not contain line breaks", 400)
         route = self._route_request(body, request.headers.get("x-session-affinity"))
-        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
-        headers["content-type"] = "application/json"
         stream = bool(body.get("stream"))
         if self.pool.healthy("prefill") and self.pool.healthy("decode"):
             return await self._generate_pd(request, body, route, headers, stream, received_s)
@@ -153,13 +181,13 @@ class Router:
 
     async def _generate_mixed(
         self,
-        request: web.Request,
+        request: Request,
         raw: bytes,
         route: RouteRequest,
-        headers: dict[str, str],
+        headers: bytes,
         stream: bool,
         received_s: float,
-    ) -> web.StreamResponse:
+    ) -> Response | StreamWriter:
         tried: set[str] = set()
         errors: list[str] = []
         for attempt in range(2):
@@ -184,24 +212,29 @@ class Router:
         return error_response(f"no worker could take the request: {cause}", 503, "no_worker")
 
     async def _send(
-        self, worker: Worker, path: str, data: bytes, headers: dict[str, str], ticket: Ticket
-    ) -> aiohttp.ClientResponse:
+        self, worker: Worker, path: str, data: bytes, headers: bytes, ticket: Ticket
+    ) -> UpstreamResponse:
         """POST to a worker until its headers arrive; a failure before then releases the ticket."""
-        assert self.session is not None
         self.metrics.request_sent(worker.url)
         try:
-            upstream = await self.session.post(worker.endpoint(path), data=data, headers=headers)
-        except CONNECT_ERRORS as exc:
+            upstream = await self.upstream.request(worker.origin, path, headers, data)
+        except (UpstreamError, asyncio.CancelledError) as exc:
             worker.finish(ticket)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             self.metrics.errors.labels(worker.url, "connect").inc()
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                # Nothing listens there: out until the health checker sees it answer again. (A reset
-                # keep-alive connection says nothing about the worker, so it only costs a retry.)
+            if isinstance(exc, UpstreamConnectError):
+                # Nothing listens there: out until the health checker sees it answer again. (A broken
+                # or slow connection says nothing certain about the worker, so it only costs a retry.)
                 self.pool.set_healthy(worker, False)
             raise UpstreamFailed(f"{worker.url}: {type(exc).__name__}: {exc}") from exc
         if upstream.status >= 500:
-            detail = (await upstream.read())[:200].decode(errors="replace")
-            upstream.release()
+            try:
+                detail = (await upstream.read())[:200].decode(errors="replace")
+            except UpstreamError as exc:
+                detail = f"(body lost: {exc})"
+            finally:
+                upstream.release()
             worker.finish(ticket)
             self.metrics.errors.labels(worker.url, "status_5xx").inc()
             raise UpstreamFailed(f"{worker.url} answered {upstream.status}: {detail}")
@@ -210,12 +243,12 @@ class Router:
 
     async def _relay(
         self,
-        request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        request: Request,
+        upstream: UpstreamResponse,
         tickets: list[Ticket],
         stream: bool,
         cached_tokens: Callable[[], Awaitable[int | None]] | None = None,
-    ) -> web.StreamResponse:
+    ) -> Response | StreamWriter:
         """Send the worker's answer to the client: chunk by chunk for SSE, whole otherwise.
 
         `cached_tokens`, in PD mode, yields the prefill side's cached tokens to write into usage.
@@ -227,15 +260,14 @@ class Router:
             if not is_sse:
                 try:
                     body = await upstream.read()
-                except CONNECT_ERRORS + (aiohttp.ClientPayloadError,) as exc:
+                except UpstreamError as exc:
                     self._count_error(tickets, "midstream")
                     return error_response(f"worker failed while answering: {exc}", 502, "upstream_error")
                 if cached_tokens is not None and upstream.status == 200:
                     cached = await cached_tokens()
                     if cached is not None:
                         body = rewrite_json_body(body, cached)
-                headers["content-type"] = content_type
-                return web.Response(status=upstream.status, body=body, headers=headers)
+                return Response(upstream.status, body, content_type, headers)
             return await self._relay_stream(request, upstream, tickets, headers, cached_tokens)
         finally:
             upstream.release()
@@ -244,20 +276,19 @@ class Router:
 
     async def _relay_stream(
         self,
-        request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        request: Request,
+        upstream: UpstreamResponse,
         tickets: list[Ticket],
         headers: dict[str, str],
         cached_tokens: Callable[[], Awaitable[int | None]] | None,
-    ) -> web.StreamResponse:
+    ) -> Response | StreamWriter:
         headers["content-type"] = "text/event-stream"
         headers["cache-control"] = "no-cache"
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)
+        response = await request.start_stream(upstream.status, headers)
         splitter = SSESplitter() if cached_tokens is not None else None
         first = True
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 if first:
                     first = False
                     for ticket in tickets:
@@ -271,16 +302,19 @@ class Router:
                 tail = splitter.flush()
                 if tail:
                     await response.write(tail)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except ConnectionResetError:
             return response  # the client left; releasing upstream aborts the worker's request
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except UpstreamError as exc:
             self._count_error(tickets, "midstream")
             log.warning("stream from %s broke: %r", tickets[-1].worker.url, exc)
             try:
                 await response.write(sse_error_event(f"worker failed mid-stream: {type(exc).__name__}"))
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            except ConnectionResetError:
                 return response
-        await response.write_eof()
+        try:
+            await response.end()
+        except ConnectionResetError:
+            pass
         return response
 
     async def _rewrite_chunk(
@@ -303,14 +337,16 @@ class Router:
 
     async def _generate_pd(
         self,
-        request: web.Request,
+        request: Request,
         body: dict[str, Any],
         route: RouteRequest,
-        headers: dict[str, str],
+        headers: bytes,
         stream: bool,
         received_s: float,
-    ) -> web.StreamResponse:
-        headers.setdefault("x-request-id", secrets.token_hex(16))
+    ) -> Response | StreamWriter:
+        if "x-request-id" not in request.headers:
+            # Both sides of the pair, and the client, see one id.
+            headers += b"x-request-id: %s\r\n" % secrets.token_hex(16).encode()
         tried: set[str] = set()
         errors: list[str] = []
         decode_route = RouteRequest(route.prompt_tokens, [], route.tokens_per_key, None)
@@ -368,7 +404,7 @@ class Router:
         return error_response(f"no prefill/decode pair could take the request: {cause}", 503, "no_worker")
 
     async def _run_prefill(
-        self, worker: Worker, path: str, data: bytes, headers: dict[str, str], ticket: Ticket
+        self, worker: Worker, path: str, data: bytes, headers: bytes, ticket: Ticket
     ) -> dict[str, Any] | None:
         """The prefill side's answer as parsed JSON (usage, kv_transfer_params), or None if it failed."""
         try:
@@ -380,7 +416,7 @@ class Router:
         except UpstreamFailed as exc:
             log.warning("PD prefill failed: %s", exc)
             return None
-        except CONNECT_ERRORS + (aiohttp.ClientPayloadError,):
+        except UpstreamError:
             self.metrics.errors.labels(worker.url, "midstream").inc()
             return None
         finally:
@@ -397,7 +433,7 @@ class Router:
 
     # ---- other endpoints -------------------------------------------------------------------
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
+    async def models(self, request: Request) -> Response | StreamWriter:
         assert self.session is not None
         headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
         candidates = self.pool.healthy("mixed") + self.pool.healthy("decode") + self.pool.healthy("prefill")
@@ -407,28 +443,22 @@ class Router:
                     body = await upstream.read()
                     if upstream.status >= 500:
                         continue
-                    return web.Response(
-                        status=upstream.status,
-                        body=body,
-                        content_type="application/json",
-                    )
+                    return Response(upstream.status, body)
             except CONNECT_ERRORS:
                 self.metrics.errors.labels(worker.url, "connect").inc()
         return error_response("no healthy worker to list models", 503, "no_worker")
 
-    async def healthz(self, request: web.Request) -> web.Response:
+    async def healthz(self, request: Request) -> Response:
         healthy = sum(1 for w in self.pool.workers.values() if w.healthy)
         status = 200 if healthy else 503
-        return web.json_response(
-            {"healthy_workers": healthy, "workers": len(self.pool.workers)}, status=status
-        )
+        return json_response({"healthy_workers": healthy, "workers": len(self.pool.workers)}, status)
 
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(200, self.metrics.render(), CONTENT_TYPE_LATEST)
 
     # ---- admin -----------------------------------------------------------------------------
 
-    def _admin_denied(self, request: web.Request) -> web.Response | None:
+    def _admin_denied(self, request: Request) -> Response | None:
         key = self.config.admin_key
         if not key:
             return error_response("admin endpoints are disabled: start the router with --admin-key", 403)
@@ -437,18 +467,18 @@ class Router:
             return error_response("admin endpoints need 'Authorization: Bearer <admin key>'", 401)
         return None
 
-    async def admin_list(self, request: web.Request) -> web.Response:
+    async def admin_list(self, request: Request) -> Response:
         denied = self._admin_denied(request)
         if denied is not None:
             return denied
-        return web.json_response({"workers": [w.describe() for w in self.pool.workers.values()]})
+        return json_response({"workers": [w.describe() for w in self.pool.workers.values()]})
 
-    async def admin_add(self, request: web.Request) -> web.Response:
+    async def admin_add(self, request: Request) -> Response:
         denied = self._admin_denied(request)
         if denied is not None:
             return denied
         try:
-            data = await request.json()
+            data = request.json()
             url, role = data["url"], data.get("role", "mixed")
             bootstrap_port = data.get("bootstrap_port")
             if not isinstance(url, str) or (
@@ -462,20 +492,21 @@ class Router:
             task = asyncio.create_task(self.health.check(worker))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-        return web.json_response(worker.describe(), status=201)
+        return json_response(worker.describe(), 201)
 
-    async def admin_remove(self, request: web.Request) -> web.Response:
+    async def admin_remove(self, request: Request) -> Response:
         denied = self._admin_denied(request)
         if denied is not None:
             return denied
         url = request.query.get("url")
         if url is None:
             try:
-                url = (await request.json())["url"]
+                url = request.json()["url"]
             except (ValueError, KeyError, TypeError):
                 return error_response("name the worker: DELETE /admin/workers?url=...", 400)
         try:
             worker = self.pool.remove(str(url))
         except KeyError as exc:
             return error_response(str(exc.args[0]), 404)
-        return web.json_response(worker.describe())
+        self.upstream.drop(worker.origin)
+        return json_response(worker.describe())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from aiohttp import web
+from hearth.router.front import Response, json_response
 
 _TYPES = {
     400: "invalid_request_error",
@@ -19,8 +19,8 @@ def error_payload(message: str, status: int, code: str | None = None) -> dict[st
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
-def error_response(message: str, status: int, code: str | None = None) -> web.Response:
-    return web.json_response(error_payload(message, status, code), status=status)
+def error_response(message: str, status: int, code: str | None = None) -> Response:
+    return json_response(error_payload(message, status, code), status)
 
 
 def sse_error_event(message: str, code: str = "upstream_error") -> bytes:

@@ -12,9 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from yarl import URL
-
 from hearth.router.prefix_index import PrefixIndex
+from hearth.router.upstream import Origin
 
 ROLES = ("mixed", "prefill", "decode")
 # A report older than this no longer describes the worker; fall back to the router's own counts.
@@ -104,6 +103,8 @@ class Worker:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
+        # Parsed once: the request path must not pay for URL parsing.
+        self.origin = Origin.from_url(self.url)
         self.role = role
         self.bootstrap_port = bootstrap_port
         self.healthy = True
@@ -113,17 +114,9 @@ class Worker:
         self.offers_load_report: bool | None = None
         # When the worker last answered a proxied request (monotonic seconds).
         self.last_ok_s = 0.0
-        self._endpoints: dict[str, URL] = {}
 
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, role={self.role!r}, healthy={self.healthy})"
-
-    def endpoint(self, path: str) -> URL:
-        """The parsed URL of `path` on this worker (parsing a URL per request costs more than routing)."""
-        url = self._endpoints.get(path)
-        if url is None:
-            url = self._endpoints[path] = URL(self.url + path)
-        return url
 
     @property
     def host(self) -> str:
