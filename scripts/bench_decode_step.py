@@ -1,7 +1,7 @@
 """A/B of one engine fast path, in one process: decode steps alternately with it on and off.
 
     python scripts/bench_decode_step.py --model /tmp/bench-models/llama-tiny-rand --batch 64 \\
-        --prompt-len 128 --threads 1 --toggle kernel|bf16
+        --prompt-len 128 --threads 1 --toggle kernel|bf16|norm
 
 Prints the median and best step time of each side over interleaved rounds, and their ratio.
 """
@@ -31,6 +31,14 @@ def toggles(engine: Engine, name: str) -> Callable[[bool], None]:
             cpu_kernels._kernel = kernel if on else None
 
         return set_kernel
+    if name == "norm":
+        cpu_kernels.paged_decode_attention_kernel(wait=True)
+        norm = cpu_kernels._rms_norm
+
+        def set_norm(on: bool) -> None:
+            cpu_kernels._rms_norm = norm if on else None
+
+        return set_norm
     if name == "bf16":
         cpu_kernels.bf16_skinny_linear_kernel(wait=True)
         weights = [m.prepared for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_weights]
@@ -50,7 +58,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--toggle", choices=["kernel", "bf16"], required=True)
+    parser.add_argument("--toggle", choices=["kernel", "bf16", "norm"], required=True)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()

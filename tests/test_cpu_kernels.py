@@ -100,3 +100,22 @@ def test_bf16_checkpoint_keeps_bf16_weights_and_matches_transformers(tiny_model_
     assert alone[0].token_ids == together[0].token_ids
     for prompt, result in zip(prompts, together):
         assert result.token_ids == hf_greedy(model_dir, prompt, 16)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 37), (33, 512)])
+def test_rms_norm_kernel_matches_torch(monkeypatch, rows, hidden):
+    from hearth.model.layers import RMSNorm
+
+    torch.manual_seed(rows + hidden)
+    norm = RMSNorm(hidden, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, residual = torch.randn(rows, hidden), torch.randn(rows, hidden)
+    fast_out, fast_sum = norm.add_and_norm(x, residual)
+    fast_plain = norm(x)
+    monkeypatch.setattr(cpu_kernels, "_rms_norm", None)
+    monkeypatch.setattr("hearth.model.layers.rms_norm_kernel", lambda: None)
+    ref_out, ref_sum = norm.add_and_norm(x, residual)
+    torch.testing.assert_close(fast_sum, ref_sum, rtol=0, atol=0)
+    torch.testing.assert_close(fast_out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_plain, norm(x), rtol=1e-5, atol=1e-5)

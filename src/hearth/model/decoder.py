@@ -59,7 +59,13 @@ class CausalLM(nn.Module):
         """Returns float32 logits for the rows in `logits_indices` only (the tokens that get sampled)."""
         hidden = self.model.embed_tokens(token_ids)
         cos, sin = self.cos_sin[positions].to(hidden.dtype).chunk(2, dim=-1)
+        residual = None
         for layer, kv in zip(self.model.layers, kv_layers):
-            hidden = layer(hidden, cos, sin, kv, ctx)
-        hidden = self.model.norm(hidden[logits_indices])
+            hidden, residual = layer(hidden, residual, cos, sin, kv, ctx)
+        hidden = hidden[logits_indices]
+        hidden = (
+            self.model.norm(hidden)
+            if residual is None
+            else self.model.norm.add_and_norm(hidden, residual[logits_indices])[0]
+        )
         return self._lm_head(hidden).float()

@@ -10,6 +10,7 @@ from torch import nn
 from hearth.model.config import ModelConfig
 from hearth.model.rotary import apply_rotary
 from hearth.ops.attention import AttentionContext, paged_attention, write_kv
+from hearth.ops.cpu_kernels import rms_norm_kernel
 from hearth.ops.linear import LinearWeights, linear, prepare_linear_weights
 
 ACTIVATIONS = {
@@ -46,6 +47,30 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self._kernel_for(x)
+        if kernel is not None:
+            return kernel(x, self.weight, self.eps)[0]
+        return self._norm(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the pre-norm residual stream in one step."""
+        kernel = self._kernel_for(x)
+        if kernel is not None and residual.is_contiguous():
+            return kernel(x, self.weight, self.eps, residual)
+        summed = x + residual
+        return self._norm(summed), summed
+
+    def _kernel_for(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        if (
+            x.dtype != torch.float32
+            or x.dim() != 2
+            or not x.is_contiguous()
+            or self.weight.dtype != torch.float32
+        ):
+            return None
+        return rms_norm_kernel()
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics, as the reference implementations compute them.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -113,6 +138,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, kv, ctx):  # type: ignore[no-untyped-def]
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, cos, sin, kv, ctx):  # type: ignore[no-untyped-def]
+        """Pre-norm layer on the residual stream: returns (this layer's output, the stream before it),
+        whose sum is the stream after it; the next norm adds them (fused), as the first takes `residual=None`."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv, ctx)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
