@@ -1,7 +1,7 @@
 """A/B of one engine fast path, in one process: decode steps alternately with it on and off.
 
     python scripts/bench_decode_step.py --model /tmp/bench-models/llama-tiny-rand --batch 64 \\
-        --prompt-len 128 --threads 1 --toggle kernel|bf16|norm
+        --prompt-len 128 --threads 1 --toggle kernel|bf16|norm|rotary
 
 Prints the median and best step time of each side over interleaved rounds, and their ratio.
 """
@@ -31,14 +31,15 @@ def toggles(engine: Engine, name: str) -> Callable[[bool], None]:
             cpu_kernels._kernel = kernel if on else None
 
         return set_kernel
-    if name == "norm":
+    if name in ("norm", "rotary"):
         cpu_kernels.paged_decode_attention_kernel(wait=True)
-        norm = cpu_kernels._rms_norm
+        attribute = "_rms_norm" if name == "norm" else "_rotary_write_kv"
+        compiled = getattr(cpu_kernels, attribute)
 
-        def set_norm(on: bool) -> None:
-            cpu_kernels._rms_norm = norm if on else None
+        def set_compiled(on: bool) -> None:
+            setattr(cpu_kernels, attribute, compiled if on else None)
 
-        return set_norm
+        return set_compiled
     if name == "bf16":
         cpu_kernels.bf16_skinny_linear_kernel(wait=True)
         weights = [m.prepared for m in model.modules() if isinstance(m, Linear)] + [model.lm_head_weights]
@@ -58,7 +59,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--toggle", choices=["kernel", "bf16", "norm"], required=True)
+    parser.add_argument("--toggle", choices=["kernel", "bf16", "norm", "rotary"], required=True)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()

@@ -119,3 +119,27 @@ def test_rms_norm_kernel_matches_torch(monkeypatch, rows, hidden):
     torch.testing.assert_close(fast_sum, ref_sum, rtol=0, atol=0)
     torch.testing.assert_close(fast_out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_plain, norm(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 1, 8), (8, 8, 64)])
+def test_rotary_write_kv_matches_torch(heads, kv_heads, dim):
+    from hearth.model.rotary import apply_rotary
+    from hearth.ops.attention import write_kv
+
+    torch.manual_seed(heads * dim)
+    tokens, num_slots = 7, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    cos_sin = torch.randn(tokens, dim)
+    cos, sin = cos_sin.chunk(2, dim=-1)  # views with a row stride of `dim`, as the model passes them
+    slots = torch.randperm(num_slots)[:tokens]
+    pools = [torch.zeros(num_slots, kv_heads, dim) for _ in range(4)]
+    q = cpu_kernels.rotary_write_kv_kernel()(qkv, cos, sin, heads, pools[0], pools[1], slots)
+    q_ref, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q_ref = apply_rotary(q_ref.view(tokens, heads, dim), cos, sin)
+    k = apply_rotary(k.view(tokens, kv_heads, dim), cos, sin)
+    write_kv(pools[2], pools[3], slots, k, v.view(tokens, kv_heads, dim))
+    torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pools[0], pools[2], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pools[1], pools[3], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.rotary_write_kv_kernel()(qkv, cos, sin, heads, pools[0], pools[1], slots + num_slots)

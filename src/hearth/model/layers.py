@@ -10,7 +10,7 @@ from torch import nn
 from hearth.model.config import ModelConfig
 from hearth.model.rotary import apply_rotary
 from hearth.ops.attention import AttentionContext, paged_attention, write_kv
-from hearth.ops.cpu_kernels import rms_norm_kernel
+from hearth.ops.cpu_kernels import rms_norm_kernel, rotary_write_kv_kernel
 from hearth.ops.linear import LinearWeights, linear, prepare_linear_weights
 
 ACTIVATIONS = {
@@ -102,6 +102,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        k_pool, v_pool = kv
+        fused = rotary_write_kv_kernel() if self.q_norm is None else None
+        if fused is not None and qkv.is_contiguous() and k_pool.dtype == qkv.dtype == torch.float32:
+            q = fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, ctx.slot_mapping)
+            out = paged_attention(q, k_pool, v_pool, ctx, self.scale, ctx.page_size)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -111,7 +117,6 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        k_pool, v_pool = kv
         write_kv(k_pool, v_pool, ctx.slot_mapping, k, v)
         out = paged_attention(q, k_pool, v_pool, ctx, self.scale, ctx.page_size)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -6,6 +6,7 @@
 - The bf16 skinny linear multiplies a few float32 rows by a bfloat16 weight: small-batch decode
   reads half the weight bytes of a float32 copy (docs/benchmarks.md).
 - RMSNorm, fused with the residual add before it: one call instead of ~9 small torch ops.
+- RoPE on the fused qkv projection with the KV write: one call instead of ~25 small torch ops.
 
 Building takes ~60 s the first time on a machine and is cached (per CPU feature set) under
 torch's extension directory, so the engine starts at once on the torch paths and switches to the
@@ -29,7 +30,13 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("bindings.cpp", "paged_decode_attention.cpp", "bf16_skinny_linear.cpp", "rms_norm.cpp")
+    for name in (
+        "bindings.cpp",
+        "paged_decode_attention.cpp",
+        "bf16_skinny_linear.cpp",
+        "rms_norm.cpp",
+        "rotary_write_kv.cpp",
+    )
 ]
 # Vectorized float reductions need reassociation; finite-math is not assumed (masks use -inf).
 _CFLAGS = [
@@ -48,6 +55,7 @@ _lock = threading.Lock()
 _kernel: Callable[..., object] | None = None  # paged decode attention
 _skinny_linear: Callable[..., object] | None = None
 _rms_norm: Callable[..., object] | None = None
+_rotary_write_kv: Callable[..., object] | None = None
 _build_thread: threading.Thread | None = None
 
 
@@ -109,7 +117,7 @@ load(name=sys.argv[1], sources=sys.argv[3:], extra_cflags=ast.literal_eval(sys.a
 
 
 def _build() -> None:
-    global _kernel, _skinny_linear, _rms_norm
+    global _kernel, _skinny_linear, _rms_norm, _rotary_write_kv
     try:
         from torch.utils.cpp_extension import load
 
@@ -129,7 +137,8 @@ def _build() -> None:
     _kernel = module.paged_decode_attention
     _skinny_linear = module.bf16_skinny_linear
     _rms_norm = module.rms_norm
-    logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm)")
+    _rotary_write_kv = module.rotary_write_kv
+    logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm, rotary + KV write)")
 
 
 def start_build() -> None:
@@ -162,3 +171,8 @@ def bf16_skinny_linear_kernel(wait: bool = False) -> Callable[..., object] | Non
 def rms_norm_kernel() -> Callable[..., object] | None:
     """`rms_norm(x, weight, eps, residual=None) -> (out, x + residual)` once built; else None."""
     return _rms_norm
+
+
+def rotary_write_kv_kernel() -> Callable[..., object] | None:
+    """`rotary_write_kv(qkv, cos, sin, heads, k_pool, v_pool, slot_mapping) -> q` once built; else None."""
+    return _rotary_write_kv

@@ -5,6 +5,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torc
                                      torch::Tensor page_table, torch::Tensor context_lens,
                                      torch::Tensor first_positions, int64_t page_size, double scale);
 torch::Tensor bf16_skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+torch::Tensor rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+                              torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slot_mapping);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   std::optional<torch::Tensor> residual);
 
@@ -12,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU, float32)");
   m.def("bf16_skinny_linear", &bf16_skinny_linear, "x @ w^T for a few float32 rows and a bfloat16 weight (CPU)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+  m.def("rotary_write_kv", &rotary_write_kv,
+        "RoPE on a fused qkv row block: returns rotated q, writes rotated k and v into their pool slots (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows, optionally after adding a residual: (out, x + residual)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
 }

@@ -1,0 +1,68 @@
+// Rotate-half RoPE on the fused qkv projection, writing keys and values straight into their KV
+// pool slots. It replaces ~25 small torch ops per layer (split, views, two rotations of ~11 ops
+// each, two casts and two index copies), whose dispatch dominates at decode batch sizes.
+// ATen headers only: torch/extension.h (pybind, autograd) triples the compile time; bindings.cpp has it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <cstdint>
+
+at::Tensor rotary_write_kv(at::Tensor qkv,           // [n, (heads + 2 * kv_heads) * dim], contiguous
+                           at::Tensor cos,           // [n, dim / 2], unit inner stride
+                           at::Tensor sin,           // [n, dim / 2], unit inner stride
+                           int64_t heads, at::Tensor k_pool,  // [num_slots, kv_heads, dim]
+                           at::Tensor v_pool,        // [num_slots, kv_heads, dim]
+                           at::Tensor slot_mapping)  // [n] int64
+{
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(),
+              "rotary_write_kv: qkv must be a contiguous float32 [tokens, features] tensor");
+  TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() &&
+                  v_pool.is_contiguous() && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes(),
+              "rotary_write_kv: float32 contiguous [slots, kv_heads, dim] pools only");
+  const int64_t n = qkv.size(0), kv_heads = k_pool.size(1), dim = k_pool.size(2), half = dim / 2;
+  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "rotary_write_kv: qkv has ", qkv.size(1), " features, heads and pools imply ", (heads + 2 * kv_heads) * dim);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.size(0) == n &&
+                  sin.size(0) == n && cos.size(1) == half && sin.size(1) == half && cos.stride(1) == 1 &&
+                  sin.stride(1) == 1,
+              "rotary_write_kv: cos/sin must be float32 [tokens, dim / 2] with unit inner stride");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == n,
+              "rotary_write_kv: slot_mapping must be int64 [tokens]");
+  at::Tensor q = at::empty({n, heads, dim}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  const int64_t cos_stride = cos.stride(0), sin_stride = sin.stride(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_pool.size(0);
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "rotary_write_kv: slot ", slots[t], " out of range");
+  }
+  float* q_ptr = q.data_ptr<float>();
+  float* k_ptr = k_pool.data_ptr<float>();
+  float* v_ptr = v_pool.data_ptr<float>();
+  const int64_t row = (heads + 2 * kv_heads) * dim;
+  at::parallel_for(0, n, std::max<int64_t>(1, 4096 / std::max<int64_t>(row, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* x = src + t * row;
+      const float* c = cos_ptr + t * cos_stride;
+      const float* s = sin_ptr + t * sin_stride;
+      auto rotate = [&](const float* in, float* out) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = in[i], x2 = in[i + half];
+          out[i] = x1 * c[i] - x2 * s[i];
+          out[i + half] = x2 * c[i] + x1 * s[i];
+        }
+      };
+      for (int64_t h = 0; h < heads; ++h) rotate(x + h * dim, q_ptr + (t * heads + h) * dim);
+      const float* k_in = x + heads * dim;
+      const float* v_in = k_in + kv_heads * dim;
+      float* k_out = k_ptr + slots[t] * kv_heads * dim;
+      float* v_out = v_ptr + slots[t] * kv_heads * dim;
+      for (int64_t h = 0; h < kv_heads; ++h) rotate(k_in + h * dim, k_out + h * dim);
+      for (int64_t i = 0; i < kv_heads * dim; ++i) v_out[i] = v_in[i];
+    }
+  });
+  return q;
+}
