@@ -869,7 +869,10 @@ def make_conversation(rng: random.Random) -> Conversation:
     for _ in range(rng.choices([1, 2, 3, 4], [55, 25, 13, 7])[0]):
         unavailable = _unavailable_turn(offered, rng) if rng.random() < UNAVAILABLE_SHARE else None
         if unavailable:
-            messages += [{"role": "user", "content": unavailable[0]}, {"role": "assistant", "content": unavailable[1]}]
+            messages += [
+                {"role": "user", "content": unavailable[0]},
+                {"role": "assistant", "content": unavailable[1]},
+            ]
         requests, user_text = _request_turn(offered, rng)
         messages.append({"role": "user", "content": user_text})
         call_indices.append(len(messages))
