@@ -15,7 +15,11 @@ from hearth.ops.linear import LinearWeights, linear, prepare_linear_weights
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit (uninitialised) weight skips Embedding's random init: on the meta device that init
+        # goes through torch._refs, whose first import costs ~2.5 s of startup.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -30,7 +34,15 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("cos_sin", build_cos_sin_table(config, max_positions), persistent=False)
+        # Built where the model is built on the meta device (the loader), the table would come out of
+        # torch._refs, whose first import costs ~2.5 s of startup; real devices compute it here.
+        on_meta = torch.empty(0).device.type == "meta"
+        table = (
+            torch.empty(max_positions, config.head_dim)
+            if on_meta
+            else build_cos_sin_table(config, max_positions)
+        )
+        self.register_buffer("cos_sin", table, persistent=False)
         self.lm_head_weights: LinearWeights | None = None
 
     def prepare_for_inference(self) -> None:
