@@ -118,6 +118,13 @@ class SamplingRequest(_Model):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
 
+    @property
+    def usage_in_stream(self) -> tuple[bool, bool]:
+        """(a final usage chunk, usage on every chunk): what `stream_options` asks of a stream."""
+        options = self.stream_options
+        include = options is not None and options.include_usage
+        return include, include and options is not None and options.continuous_usage_stats
+
     @model_validator(mode="after")
     def _check_stop(self) -> SamplingRequest:
         if isinstance(self.stop, list) and len(self.stop) > 16:

@@ -139,12 +139,7 @@ async def _complete(
 async def _stream(
     state: ServerState, request: CompletionRequest, generation: Generation, echoes: list[str]
 ) -> AsyncIterator[bytes]:
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
-    continuous_usage = (
-        include_usage
-        and request.stream_options is not None
-        and (request.stream_options.continuous_usage_stats)
-    )
+    include_usage, continuous_usage = request.usage_in_stream
     base = {
         "id": generation.request_id,
         "object": "text_completion",
