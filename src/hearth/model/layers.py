@@ -3,6 +3,9 @@ fused projections (`qkv_proj`, `gate_up_proj`) that the loader fills from the se
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,7 +63,7 @@ class RMSNorm(nn.Module):
         summed = x + residual
         return self._norm(summed), summed
 
-    def _kernel_for(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+    def _kernel_for(self, x: torch.Tensor) -> Callable[..., Any] | None:
         if (
             x.dtype != torch.float32
             or x.dim() != 2
@@ -101,13 +104,25 @@ class Attention(nn.Module):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
         k_pool, v_pool = kv
+        q = self._rotate_and_write_kv(self.qkv_proj(hidden), cos, sin, k_pool, v_pool, ctx.slot_mapping)
+        out = paged_attention(q, k_pool, v_pool, ctx, self.scale, ctx.page_size)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _rotate_and_write_kv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotated queries `[tokens, heads, head_dim]`; rotated keys and the values go to their pool slots."""
         fused = rotary_write_kv_kernel() if self.q_norm is None else None
         if fused is not None and qkv.is_contiguous() and k_pool.dtype == qkv.dtype == torch.float32:
-            q = fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, ctx.slot_mapping)
-            out = paged_attention(q, k_pool, v_pool, ctx, self.scale, ctx.page_size)
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
+            return fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, slot_mapping)
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -115,11 +130,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        write_kv(k_pool, v_pool, ctx.slot_mapping, k, v)
-        out = paged_attention(q, k_pool, v_pool, ctx, self.scale, ctx.page_size)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        write_kv(k_pool, v_pool, slot_mapping, apply_rotary(k, cos, sin), v)
+        return apply_rotary(q, cos, sin)
 
 
 class MLP(nn.Module):
