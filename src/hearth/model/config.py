@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -30,7 +29,10 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type plus its parameters
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    # What the architecture decides (its `config_fields` in hearth.model.models.*):
+    attention_bias: bool = False  # on q/k/v
+    attention_out_bias: bool = False  # on o_proj
+    mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
     hidden_act: str = "silu"
@@ -62,12 +64,16 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        # Here, not at the top: the registry imports the model classes, which import this module.
+        from hearth.model.registry import get_model_class, supported_architectures
+
         architectures = raw.get("architectures") or []
         arch = architectures[0] if architectures else None
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in supported_architectures():
             raise ModelLoadError(
-                f"{source}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{source}: architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}"
             )
+        model_class = get_model_class(arch)
 
         def need(key: str, kind: type = int) -> Any:
             value = raw.get(key)
@@ -86,9 +92,6 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope_parameters(raw, source)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        sliding_window = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-            sliding_window = None
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
             raise ModelLoadError(f"{source}: hidden_act {hidden_act!r} is not supported (silu, gelu)")
@@ -106,12 +109,10 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=int(sliding_window) if sliding_window else None,
             hidden_act=hidden_act,
             checkpoint_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
+            **model_class.config_fields(raw, source),
         )
 
 

@@ -1,36 +1,69 @@
-"""The Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3): one module, switched by the config's flags."""
+"""The Llama-family causal LM, the base the architectures in `hearth.model.models` subclass: each
+declares what differs (config fields such as biases, qk-norm and the sliding window; the checkpoint's
+tensor names; the decoder layer class)."""
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from hearth.model.config import ModelConfig
-from hearth.model.layers import DecoderLayer, Linear, RMSNorm
+from hearth.model.layers import DecoderLayer, LayerOptions, Linear, RMSNorm
 from hearth.model.rotary import build_cos_sin_table
+from hearth.model.weights import ShardId
 from hearth.ops.attention import AttentionContext
 from hearth.ops.linear import LinearWeights, linear, prepare_linear_weights
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        options: LayerOptions | None = None,
+        layer_class: type[nn.Module] = DecoderLayer,
+    ) -> None:
         super().__init__()
         # An explicit (uninitialised) weight skips Embedding's random init: on the meta device that init
         # goes through torch._refs, whose first import costs ~2.5 s of startup.
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layer_class(config, i, options) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """Knows nothing of requests: token ids, positions and one attention context in; logits out."""
+    """Knows nothing of requests: token ids, positions and one attention context in; logits out.
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    The embedding, the norms and the LM head are replicated on every tensor-parallel rank; the
+    attention and MLP projections are sharded (`options.tp`).
+    """
+
+    # Checkpoint module name -> (our fused module, its part): q/k/v and gate/up load into one matrix each.
+    packed_modules: ClassVar[dict[str, tuple[str, ShardId]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # Checkpoint tensors we do not load (computed here instead).
+    ignored_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    layer_class: ClassVar[type[nn.Module]] = DecoderLayer
+
+    @classmethod
+    def config_fields(cls, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """The `ModelConfig` fields this architecture reads its own way from config.json (biases,
+        qk-norm, the sliding window); the base has none of them. Raise ModelLoadError for values it
+        cannot serve."""
+        return {}
+
+    def __init__(self, config: ModelConfig, max_positions: int, options: LayerOptions | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, options, type(self).layer_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -45,13 +78,36 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin", table, persistent=False)
         self.lm_head_weights: LinearWeights | None = None
 
+    def checkpoint_target(self, name: str) -> tuple[str, ShardId | None] | None:
+        """The parameter (and part of it, for a fused one) that checkpoint tensor `name` loads into;
+        None for a tensor that is not loaded."""
+        if name.endswith(self.ignored_suffixes):
+            return None
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return None  # the head is the embedding, as in transformers
+        for part, (fused, shard) in self.packed_modules.items():
+            marker = f".{part}."
+            if marker in name:
+                return name.replace(marker, f".{fused}."), shard
+        return name, None
+
+    def checkpoint_name(self, param_name: str, shard: ShardId | None) -> str:
+        """The checkpoint tensor that fills `param_name` (part `shard`): the inverse of `checkpoint_target`."""
+        if shard is not None:
+            for part, (fused, part_shard) in self.packed_modules.items():
+                marker = f".{fused}."
+                if part_shard == shard and marker in param_name:
+                    return param_name.replace(marker, f".{part}.")
+        return param_name
+
     def prepare_for_inference(self) -> None:
-        """Called once the weights are loaded: lay weights out for the CPU's fast paths
-        (`hearth.ops.linear`). The LM head, the largest matrix, also gets the one-row GEMV layout
-        when it has no bf16 copy; its `[vocab, hidden]` weight stays (it may be the embedding)."""
+        """Called once the weights are loaded: each linear layer's quantization method processes its
+        weights (on CPU: the fast paths' layouts, `hearth.ops.linear`). On CPU the LM head, the
+        largest matrix, gets those layouts too, plus the one-row GEMV layout when it has no bf16
+        copy; its `[vocab, hidden]` weight stays (it may be the embedding)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepare_for_inference()
+                module.quant_method.process_after_loading(module)
         if self.lm_head.weight.device.type == "cpu":
             self.lm_head_weights = prepare_linear_weights(self.lm_head.weight, gemv_layout=True)
 

@@ -1,20 +1,25 @@
 """Building blocks of the decoder families we serve. Parameter names follow Hugging Face's, except the
-fused projections (`qkv_proj`, `gate_up_proj`) that the loader fills from the separate checkpoint tensors."""
+fused projections (`qkv_proj`, `gate_up_proj`) that each fill from the separate checkpoint tensors
+through their parameters' weight loaders (`hearth.model.weights`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.model.config import ModelConfig
+from hearth.model.config import ModelConfig, ModelLoadError
+from hearth.model.quantization.registry import QuantizationMethod
+from hearth.model.quantization.unquantized import UnquantizedLinearMethod
 from hearth.model.rotary import apply_rotary
+from hearth.model.weights import ShardId, TPRank, WeightShapeError, divide, set_weight_attrs
 from hearth.ops.attention import AttentionContext, paged_attention, write_kv
 from hearth.ops.cpu_kernels import rms_norm_kernel, rotary_write_kv_kernel
-from hearth.ops.linear import LinearWeights, linear, prepare_linear_weights
+from hearth.ops.linear import LinearWeights
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -23,24 +28,197 @@ ACTIVATIONS = {
 }
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` that, once prepared, picks a CPU fast path per call (`hearth.ops.linear`).
+@dataclass(frozen=True)
+class LayerOptions:
+    """How a model's layers are built for this process: its tensor-parallel slot, and the
+    quantization method of its linear layers (one instance serves them all)."""
 
-    Preparing replaces `weight` by the layouts `linear` uses; the float32 weight itself is dropped
-    where a prepacked copy serves every row count, so weights are not held twice.
+    tp: TPRank = TPRank()
+    quant_method: QuantizationMethod = field(default_factory=UnquantizedLinearMethod)
+
+
+class OutputShard(NamedTuple):
+    """Where one part of a (fused) output dim lives: `size` rows from `source_start` of the
+    checkpoint tensor (whose output dim has `full_size` rows) go to `local_offset` of this rank's parameter."""
+
+    local_offset: int
+    size: int
+    source_start: int
+    full_size: int
+
+
+class Linear(nn.Module):
+    """`y = x W^T + b`, with `W` held and applied by a quantization method. This base is replicated:
+    every tensor-parallel rank holds the whole weight. Subclasses say which rows and columns of the
+    checkpoint tensors a rank holds (`_output_shards`, `_input_shard`); one `weight_loader` serves all.
+
+    `prepared` is the unquantized method's CPU layouts (`hearth.ops.linear`), None until prepared.
     """
 
     prepared: LinearWeights | None = None
 
-    def prepare_for_inference(self) -> None:
-        self.prepared = prepare_linear_weights(self.weight)
-        if self.prepared.fp32 is None:
-            self.weight = None  # type: ignore[assignment]
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, options: LayerOptions | None = None
+    ) -> None:
+        super().__init__()
+        options = options or LayerOptions()
+        self.tp = options.tp
+        self.input_size = input_size  # whole, as in the checkpoint
+        self.output_size = output_size
+        self.output_shards: dict[ShardId | None, OutputShard] = self._output_shards()
+        self.input_shard: tuple[int, int] = self._input_shard()  # (source_start, size) of the input dim
+        self.output_size_per_rank = sum(shard.size for shard in self.output_shards.values())
+        self.input_size_per_rank = self.input_shard[1]
+        self.output_partition_sizes = [shard.size for shard in self.output_shards.values()]
+        self.quant_method = options.quant_method
+        params_dtype = torch.get_default_dtype()
+        self.quant_method.create_weights(
+            self, self.input_size_per_rank, self.output_size_per_rank, params_dtype
+        )
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(self.output_size_per_rank, dtype=params_dtype), requires_grad=False
+            )
+            set_weight_attrs(self.bias, weight_loader=self.weight_loader, output_dim=0)
+        else:
+            self.register_parameter("bias", None)
+        shard_ids = tuple(self.output_shards)
+        for param in self.parameters(recurse=False):
+            if not hasattr(param, "shard_ids"):
+                set_weight_attrs(param, shard_ids=shard_ids)
+
+    def _output_shards(self) -> dict[ShardId | None, OutputShard]:
+        return {None: OutputShard(0, self.output_size, 0, self.output_size)}
+
+    def _input_shard(self) -> tuple[int, int]:
+        return 0, self.input_size
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None
+    ) -> None:
+        """Copy this rank's part of the whole checkpoint tensor `loaded_weight` (part `shard_id` of a
+        fused parameter) into `param`: views of both sides and one copy, no intermediate tensor."""
+        shard = self.output_shards.get(shard_id)
+        if shard is None:
+            raise ModelLoadError(
+                f"loads into part {shard_id!r}, but this layer's parts are {[s for s in self.output_shards]}"
+            )
+        output_dim: int | None = getattr(param, "output_dim", None)
+        input_dim: int | None = getattr(param, "input_dim", None)
+        expected = list(param.shape)
+        if output_dim is not None:
+            expected[output_dim] = shard.full_size
+        if input_dim is not None:
+            expected[input_dim] = self.input_size
+        if tuple(loaded_weight.shape) != tuple(expected):
+            raise WeightShapeError(loaded_weight.shape, tuple(expected))
+        target = param.data
+        if output_dim is not None:
+            target = target.narrow(output_dim, shard.local_offset, shard.size)
+            loaded_weight = loaded_weight.narrow(output_dim, shard.source_start, shard.size)
+        if input_dim is not None:
+            start, size = self.input_shard
+            loaded_weight = loaded_weight.narrow(input_dim, start, size)
+        target.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.prepared is None:
-            return super().forward(x)
-        return linear(x, self.prepared, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size_per_rank}, out={self.output_size_per_rank}, bias={self.bias is not None}, "
+            f"{type(self.quant_method).__name__}"
+        )
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split across ranks: rank r holds rows `[r * n, (r + 1) * n)` of the weight."""
+
+    def _output_shards(self) -> dict[ShardId | None, OutputShard]:
+        size = divide(self.output_size, self.tp.size, "output size")
+        return {None: OutputShard(0, size, self.tp.rank * size, self.output_size)}
+
+
+class MergedColumnParallelLinear(Linear):
+    """Several column-parallel projections of one input in one matrix (`gate_up_proj`): part `i` is
+    checkpoint tensor `i`, and each rank holds its slice of every part, the parts one after another."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        options: LayerOptions | None = None,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, options)
+
+    def _output_shards(self) -> dict[ShardId | None, OutputShard]:
+        shards: dict[ShardId | None, OutputShard] = {}
+        offset = 0
+        for i, full in enumerate(self.output_sizes):
+            size = divide(full, self.tp.size, "output size")
+            shards[i] = OutputShard(offset, size, self.tp.rank * size, full)
+            offset += size
+        return shards
+
+
+class QKVParallelLinear(Linear):
+    """The fused q/k/v projection (parts "q", "k", "v"), split across ranks by heads. With more
+    ranks than KV heads, each KV head is replicated on `tp_size / num_kv_heads` consecutive ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        options: LayerOptions | None = None,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, options)
+
+    def _output_shards(self) -> dict[ShardId | None, OutputShard]:
+        tp = self.tp
+        heads = divide(self.num_heads, tp.size, "num_attention_heads")
+        if self.num_kv_heads >= tp.size:
+            kv_heads = divide(self.num_kv_heads, tp.size, "num_key_value_heads")
+            kv_head_start = tp.rank * kv_heads
+        else:
+            kv_heads = 1
+            kv_head_start = tp.rank // divide(
+                tp.size, self.num_kv_heads, "tensor-parallel size over KV heads"
+            )
+        q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
+        q_full, kv_full = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        kv_start = kv_head_start * self.head_dim
+        return {
+            "q": OutputShard(0, q_size, tp.rank * q_size, q_full),
+            "k": OutputShard(q_size, kv_size, kv_start, kv_full),
+            "v": OutputShard(q_size + kv_size, kv_size, kv_start, kv_full),
+        }
+
+
+class RowParallelLinear(Linear):
+    """Input features split across ranks: each rank's product is a partial sum that tensor
+    parallelism all-reduces (not done here: one rank today)."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, options: LayerOptions | None = None
+    ) -> None:
+        if bias and options is not None and options.tp.size > 1:
+            # Every rank would add it before the all-reduce; adding it once belongs with that reduction.
+            raise ModelLoadError(
+                "a row-parallel layer with a bias is not supported across tensor-parallel ranks yet"
+            )
+        super().__init__(input_size, output_size, bias, options)
+
+    def _input_shard(self) -> tuple[int, int]:
+        size = divide(self.input_size, self.tp.size, "input size")
+        return self.tp.rank * size, size
 
 
 class RMSNorm(nn.Module):
@@ -81,17 +259,26 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, options: LayerOptions | None = None) -> None:
         super().__init__()
+        options = options or LayerOptions()
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=config.attention_bias,
+            options=options,
+        )
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.attention_out_bias, options)
+        # This rank's heads (all of them on one rank).
+        self.num_heads = self.qkv_proj.output_shards["q"].size // config.head_dim
+        self.num_kv_heads = self.qkv_proj.output_shards["k"].size // config.head_dim
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -135,11 +322,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, options: LayerOptions | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        options = options or LayerOptions()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], config.mlp_bias, options
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, options)
+        self.intermediate_size = self.gate_up_proj.output_shards[0].size  # this rank's
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,10 +339,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, options: LayerOptions | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_index)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_index, options)
+        self.mlp = MLP(config, options)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -1,28 +1,27 @@
-"""Load a Hugging Face checkpoint directory into a `CausalLM`: a name mapping plus the fused projections."""
+"""Load a Hugging Face checkpoint directory into the model its config names: build the model class
+from the registry on the meta device, place it on the device, and hand every checkpoint tensor to
+the weight loader of the parameter it maps to (`hearth.model.weights`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.decoder import CausalLM
+from hearth.model.layers import LayerOptions
+from hearth.model.quantization import get_quantization_method
+from hearth.model.registry import get_model_class
 from hearth.model.rotary import build_cos_sin_table
+from hearth.model.weights import ShardId, TPRank, WeightShapeError, default_weight_loader
 
 logger = logging.getLogger(__name__)
-
-# checkpoint name fragment -> (our fused parameter, shard index among its parts)
-FUSED_PARTS: dict[str, tuple[str, int]] = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -45,89 +44,129 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _shard_offsets(config: ModelConfig, fused_name: str) -> list[int]:
-    if fused_name.endswith("qkv_proj"):
-        return [0, config.q_size, config.q_size + config.kv_size, config.q_size + 2 * config.kv_size]
-    return [0, config.intermediate_size, 2 * config.intermediate_size]
-
-
 def load_model(
-    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, max_positions: int, progress: bool = False
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    max_positions: int,
+    progress: bool = False,
+    *,
+    device: torch.device | str = "cpu",
+    quantization: str = "unquantized",
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> CausalLM:
-    from safetensors import safe_open
-
+    """The model of `config` with the checkpoint's weights (this rank's shard of them), on `device`,
+    in eval mode and processed for inference (on CPU: the fast paths' weight layouts)."""
     model_dir = Path(model_dir)
-    files = checkpoint_files(model_dir)
-    with torch.device("meta"):
-        model = CausalLM(config, max_positions)
-    model = model.to_empty(device="cpu").to(dtype)
-    if config.tie_word_embeddings:  # to_empty() gives every module its own storage, untying them
-        model.lm_head.weight = model.model.embed_tokens.weight
-    # to_empty() left the rotary table uninitialised (and .to() would have cast it): rebuild it in float32.
-    model.cos_sin = build_cos_sin_table(config, max_positions)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(params), desc="Loading weights", unit="tensor", leave=False)
-    for path in files:
-        with safe_open(str(path), framework="pt") as reader:
-            for name in reader.keys():
-                if name.endswith(IGNORED_SUFFIXES):
-                    continue
-                tensor = reader.get_tensor(name)
-                target, shard = _target(name)
-                if target not in params:
-                    if config.tie_word_embeddings and target == "lm_head.weight":
-                        continue
-                    raise ModelLoadError(f"{path.name}: unexpected tensor {name!r} for {config.architecture}")
-                param = params[target]
-                with torch.no_grad():
-                    if shard is None:
-                        if param.shape != tensor.shape:
-                            raise ModelLoadError(
-                                f"{path.name}: {name} has shape {tuple(tensor.shape)}, config implies {tuple(param.shape)}"
-                            )
-                        param.copy_(tensor)
-                        loaded.add(target)
-                    else:
-                        offsets = _shard_offsets(config, target.rsplit(".", 1)[0])
-                        start, end = offsets[shard], offsets[shard + 1]
-                        if tensor.shape[0] != end - start or tensor.shape[1:] != param.shape[1:]:
-                            raise ModelLoadError(
-                                f"{path.name}: {name} has shape {tuple(tensor.shape)}, config disagrees"
-                            )
-                        param[start:end].copy_(tensor)
-                        loaded.add(f"{target}#{shard}")
-                if bar is not None:
-                    bar.update(1)
-    if bar is not None:
-        bar.close()
-    _check_complete(model, config, loaded)
+    checkpoint_files(model_dir)  # no weights: fail before allocating the model
+    model = build_model(
+        config,
+        dtype,
+        max_positions,
+        device=device,
+        quantization=quantization,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
+    load_weights(model, model_dir, progress=progress)
     model.eval()
     model.prepare_for_inference()
     return model
 
 
-def _target(name: str) -> tuple[str, int | None]:
-    for part, (fused, shard) in FUSED_PARTS.items():
-        marker = f".{part}."
-        if marker in name:
-            return name.replace(marker, f".{fused}."), shard
-    return name, None
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    max_positions: int,
+    *,
+    device: torch.device | str = "cpu",
+    quantization: str = "unquantized",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> CausalLM:
+    """The registered class of `config.architecture`, its parameters allocated (not initialised) on `device`."""
+    options = LayerOptions(tp=TPRank(tp_rank, tp_size), quant_method=get_quantization_method(quantization))
+    model_class = get_model_class(config.architecture)
+    # Parameters are created in `dtype` on the meta device: no initialisation, no float32 copy to cast.
+    with torch.device("meta"), _default_dtype(dtype):
+        model = model_class(config, max_positions, options)
+    _materialize(model, torch.device(device))
+    if config.tie_word_embeddings:  # to_empty() gives every module its own storage, untying them
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # to_empty() left the rotary table uninitialised: build it, in float32.
+    model.cos_sin = build_cos_sin_table(config, max_positions).to(device)
+    return model
 
 
-def _check_complete(model: CausalLM, config: ModelConfig, loaded: set[str]) -> None:
-    missing = []
-    for name, _ in model.named_parameters():
-        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-            parts = [f"{name}#{i}" for i in range(3)]
-        elif name.endswith("gate_up_proj.weight"):
-            parts = [f"{name}#{i}" for i in range(2)]
-        else:
-            parts = [name]
-        missing.extend(p for p in parts if p not in loaded)
+def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False) -> None:
+    """Fill `model`'s parameters from the checkpoint in `model_dir`; a ModelLoadError names the first
+    tensor that does not fit (unexpected name, wrong shape) or the tensors the checkpoint lacks."""
+    from safetensors import safe_open
+
+    files = checkpoint_files(Path(model_dir))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[tuple[str, ShardId | None]] = set()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(params), desc="Loading weights", unit="tensor", leave=False)
+    with torch.no_grad():
+        for path in files:
+            with safe_open(str(path), framework="pt") as reader:
+                for name in reader.keys():
+                    target = model.checkpoint_target(name)
+                    if target is None:
+                        continue
+                    param_name, shard = target
+                    param = params.get(param_name)
+                    if param is None:
+                        raise ModelLoadError(
+                            f"{path.name}: unexpected tensor {name!r} for {model.config.architecture}"
+                        )
+                    weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                    try:
+                        weight_loader(param, reader.get_tensor(name), shard)
+                    except WeightShapeError as exc:
+                        raise ModelLoadError(
+                            f"{path.name}: {name} has shape {exc.loaded_shape}, config implies {exc.expected_shape}"
+                        ) from None
+                    except ModelLoadError as exc:
+                        raise ModelLoadError(f"{path.name}: {name} {exc}") from None
+                    loaded.add((param_name, shard))
+                    if bar is not None:
+                        bar.update(1)
+    if bar is not None:
+        bar.close()
+    _check_complete(model, loaded)
+
+
+def _check_complete(model: CausalLM, loaded: set[tuple[str, ShardId | None]]) -> None:
+    missing = [
+        model.checkpoint_name(name, shard)
+        for name, param in model.named_parameters()
+        for shard in getattr(param, "shard_ids", (None,))
+        if (name, shard) not in loaded
+    ]
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0]}")
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """`to_empty(device)`, keeping the loading metadata (weight loaders, sharded dims) attached to
+    each parameter: moving off the meta device makes new Parameter objects without it."""
+    attrs = {name: dict(vars(param)) for name, param in model.named_parameters(remove_duplicate=False)}
+    model.to_empty(device=device)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        vars(param).update(attrs[name])
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,1 @@
+"""One module per architecture family; each registers its Hugging Face names with `hearth.model.registry`."""

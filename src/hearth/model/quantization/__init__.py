@@ -1,0 +1,15 @@
+"""Quantization methods by name (`get_quantization_method`); see `registry.QuantizationMethod` for the contract."""
+
+from hearth.model.quantization.registry import (
+    QuantizationMethod,
+    get_quantization_method,
+    register_quantization_method,
+    supported_quantization_methods,
+)
+
+__all__ = [
+    "QuantizationMethod",
+    "get_quantization_method",
+    "register_quantization_method",
+    "supported_quantization_methods",
+]
