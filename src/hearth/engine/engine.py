@@ -11,26 +11,22 @@ import time
 from dataclasses import dataclass
 from itertools import count
 
-import torch
-
 from hearth.engine.config import EngineConfig
 from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.outputs import RequestOutput, TokenLogprob
 from hearth.engine.request import Request
-from hearth.engine.runner import ModelRunner
-from hearth.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
+from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.stop_checker import StopStringMatcher
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
+from hearth.engine.worker import StepOutput, Worker, kv_layout_for
 from hearth.kv.manager import KVCacheManager
-from hearth.kv.pool import KVLayout, KVPool
+from hearth.kv.pool import KVPool
 from hearth.kv.prefix_keys import root_key
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.device import resolve_dtype
-from hearth.model.loader import load_model
 from hearth.model.tokenizer import Tokenizer
-from hearth.ops import cpu_kernels
 
 logger = logging.getLogger("hearth.engine")
 
@@ -55,17 +51,10 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        torch.set_num_threads(config.resolved_num_threads)
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype)
-        layout = KVLayout(
-            num_layers=self.model_config.num_layers,
-            num_kv_heads=self.model_config.num_kv_heads,
-            head_dim=self.model_config.head_dim,
-            page_size=config.page_size,
-            dtype=self.dtype,
-        )
+        layout = kv_layout_for(config, self.model_config, self.dtype)
         num_pages = KVPool.num_pages_for_budget(layout, int(config.kv_cache_memory_gib * GIB))
         if num_pages < 2:
             raise ModelLoadError(
@@ -74,34 +63,36 @@ class Engine:
             )
         self.num_kv_tokens = num_pages * config.page_size
         self.max_model_len = self._max_model_len(self.num_kv_tokens)
-        self.model = load_model(
-            config.model, self.model_config, self.dtype, self.max_model_len + 1, progress=config.load_progress
-        )
-        self.pool = KVPool(layout, num_pages)
-        self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.pool, self.model_config.sliding_window)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         # The embedding may be padded past the tokenizer's ids; those columns are never sampled.
         sample_vocab = min(self.model_config.vocab_size, self.tokenizer.vocab_size)
-        self.sampler = Sampler(sample_vocab, self.eos_token_ids)
+        self.worker = Worker(
+            config,
+            self.model_config,
+            self.dtype,
+            layout,
+            num_pages,
+            self.max_model_len,
+            sample_vocab,
+            self.eos_token_ids,
+        )
+        self.model = self.worker.model
+        self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.step_inputs = StepInputBuilder(config.page_size)
         self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids)
-        torch.manual_seed(config.seed)
         self._kv_layout_tag = layout.describe()
         self._requests: dict[str, Request] = {}
         self._arrivals = count()
         self._ids = count()
         self._totals = {"prompt": 0, "cached": 0, "generated": 0, "preempted": 0}
-        # Compiled CPU attention, loaded (or built, the first time) in the background once the model is
-        # in place, so it never delays readiness; the torch path serves until it is there.
-        cpu_kernels.start_build()
         logger.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
             num_pages,
             config.page_size,
             self.num_kv_tokens,
             num_pages * layout.bytes_per_page / GIB,
-            str(self.dtype).removeprefix("torch."),
+            str(layout.kv_dtype).removeprefix("torch."),
             self.max_model_len,
             time.perf_counter() - started,
         )
@@ -161,7 +152,6 @@ class Engine:
             stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output)
             if params.stop
             else None,
-            generator=make_generator(params.seed) if params.seed is not None else None,
             grammar=self._new_grammar(params),
         )
         self._requests[request_id] = request
@@ -198,30 +188,19 @@ class Engine:
         self._totals["preempted"] += len(scheduled.preempted)
         if not scheduled.scheduled:
             return []
-        logits = self.runner.execute(scheduled.scheduled)
-        return self._process_outputs(scheduled.scheduled, logits)
+        step_output = self.worker.execute(self.step_inputs.build(scheduled.scheduled, self.structured))
+        return self._process_outputs(scheduled.scheduled, step_output)
 
-    def _process_outputs(self, batch: list[ScheduledRequest], logits: torch.Tensor) -> list[RequestOutput]:
+    def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[RequestOutput]:
         sampling = [item for item in batch if item.samples]
         for item in batch:
             item.request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_pages(item.request)
-        if not sampling:
-            return []
-        rows = [
-            SamplingRow(
-                params=item.request.params,
-                prompt_token_ids=item.request.prompt_token_ids,
-                output_token_ids=item.request.output_token_ids,
-                generator=item.request.generator,
-            )
-            for item in sampling
-        ]
-        self.structured.mask_logits(logits, [item.request.grammar for item in sampling])
-        sampled: SamplerOutput = self.sampler(logits, rows)
         outputs = []
-        for item, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
-            output = self._append_token(item.request, token_id, logprob)
+        logprobs = step_output.logprobs
+        for i, (item, token_ids) in enumerate(zip(sampling, step_output.sampled_token_ids, strict=True)):
+            logprob = logprobs[i][0] if logprobs is not None and logprobs[i] else None
+            output = self._append_token(item.request, token_ids[0], logprob)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -288,6 +267,7 @@ class Engine:
         request.output_text += text
         request.grammar = None
         self.scheduler.finish(request)
+        self.step_inputs.request_finished(request.request_id)
         del self._requests[request.request_id]
         self._totals["prompt"] += request.num_prompt_tokens
         self._totals["cached"] += request.cached_tokens or 0

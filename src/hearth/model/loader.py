@@ -52,7 +52,12 @@ def _shard_offsets(config: ModelConfig, fused_name: str) -> list[int]:
 
 
 def load_model(
-    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, max_positions: int, progress: bool = False
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    max_positions: int,
+    progress: bool = False,
+    device: torch.device | str = "cpu",
 ) -> CausalLM:
     from safetensors import safe_open
 
@@ -60,11 +65,12 @@ def load_model(
     files = checkpoint_files(model_dir)
     with torch.device("meta"):
         model = CausalLM(config, max_positions)
-    model = model.to_empty(device="cpu").to(dtype)
+    device = torch.device(device)
+    model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:  # to_empty() gives every module its own storage, untying them
         model.lm_head.weight = model.model.embed_tokens.weight
     # to_empty() left the rotary table uninitialised (and .to() would have cast it): rebuild it in float32.
-    model.cos_sin = build_cos_sin_table(config, max_positions)
+    model.cos_sin = build_cos_sin_table(config, max_positions).to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     bar = None
@@ -107,7 +113,8 @@ def load_model(
         bar.close()
     _check_complete(model, config, loaded)
     model.eval()
-    model.prepare_for_inference()
+    if device.type == "cpu":  # the prepacked layouts are CPU kernels' (hearth.ops.linear)
+        model.prepare_for_inference()
     return model
 
 
