@@ -136,8 +136,10 @@ class Worker:
         """float32 logits `[len(step.logits_indices), vocab]` (the KV of the step's tokens is written)."""
         num_tokens = len(step.token_ids)
         ids = torch.tensor(step.token_ids + step.positions + step.logits_indices, dtype=torch.long)
-        if self.device.type != "cpu":
+        if self.device.type == "cuda":  # pinned, so the copy is asynchronous
             ids = ids.pin_memory().to(self.device, non_blocking=True)
+        elif self.device.type != "cpu":
+            ids = ids.to(self.device)
         metadata = self.attention.prepare(step)
         ctx = AttentionContext(self.attention, metadata, self.kv_pool)
         return self.model(ids[:num_tokens], ids[num_tokens : 2 * num_tokens], ctx, ids[2 * num_tokens :])

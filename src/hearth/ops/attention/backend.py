@@ -130,8 +130,10 @@ class AttentionBackend(ABC):
         packed = torch.tensor(
             step.slot_mapping + step.seq_lens + step.query_start_loc + step.page_table, dtype=torch.long
         )
-        if self.device.type != "cpu":
+        if self.device.type == "cuda":  # pinned, so the copy is asynchronous
             packed = packed.pin_memory().to(self.device, non_blocking=True)
+        elif self.device.type != "cpu":
+            packed = packed.to(self.device)
         ends = (num_tokens, num_tokens + num_rows, num_tokens + 2 * num_rows + 1)
         page_table = self.page_table_buffer[:num_rows]
         if width:
