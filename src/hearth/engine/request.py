@@ -16,6 +16,7 @@ from hearth.engine.structured_output import GrammarMatcher
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # pages allocated, KV arriving from a peer (PD) or a lower cache tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -36,11 +37,21 @@ class Request:
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the KV cache holds
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    # Tokens proposed by a drafter (speculative decoding) before `Scheduler.schedule()`; the scheduler
+    # verifies them with the request's next token when budget and pages allow; `update()` clears them.
+    draft_token_ids: list[int] = field(default_factory=list)
     # KV state (see hearth.kv.manager.PageHolder)
     page_ids: list[int] = field(default_factory=list)
     page_generations: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     cached_page_count: int = 0
+    # Prefix keys of the leading full pages of token_ids, extended as pages fill. Tokens are only ever
+    # appended, so the keys stay valid across rollback and preemption and are never recomputed.
+    page_keys: list[bytes] = field(default_factory=list)
+    # KV from elsewhere (see Scheduler.add / kv_arrived)
+    num_remote_kv_tokens: int = 0  # leading tokens whose KV a peer promised to send (PD decode side)
+    num_pending_kv_tokens: int = 0  # while WAITING_FOR_KV: tokens past num_computed_tokens being loaded
+    num_pending_tier_tokens: int = 0  # ...the leading ones of them from a lower cache tier (count as cached)
     # reporting
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
