@@ -153,6 +153,23 @@ def test_pd_transfer_shrinks_by_the_receivers_own_prefix_hit():
     assert_no_leaks(scheduler)
 
 
+def test_pd_request_whose_prompt_is_cached_here_needs_no_transfer():
+    scheduler, pool = new_scheduler(), Pool()
+    first = make_request(0, list(range(100, 109)))
+    scheduler.add(first)
+    run_to_completion(scheduler, pool, [first])
+    request = make_request(1, list(range(100, 109)))
+    scheduler.add(request, kv_pending_tokens=9)
+    out = scheduler.schedule()
+    assert out.kv_loads == [] and [(s.request, s.num_new_tokens) for s in out.scheduled] == [(request, 1)]
+    scheduler.update(out.scheduled, [[7]])
+    scheduler._preempt(scheduler.running.pop())
+    scheduler.kv.reset_prefix_cache()
+    out = scheduler.schedule()  # the peer is not asked twice: recompute
+    assert out.kv_loads == [] and [s.num_new_tokens for s in out.scheduled] == [10]
+    assert_no_leaks(scheduler)
+
+
 def test_failed_load_recomputes_in_the_pages_already_held():
     scheduler, pool = new_scheduler(), Pool()
     request = make_request(0, 10)

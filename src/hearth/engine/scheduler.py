@@ -98,7 +98,9 @@ class Scheduler:
 
         `kv_pending_tokens`: the KV of its leading tokens will come from a peer (PD decode side). At
         admission the scheduler allocates pages for those past what the prefix caches hold, parks the
-        request in `WAITING_FOR_KV` and lists a `KVLoad`. One prompt token is always computed here.
+        request in `WAITING_FOR_KV` and lists a `KVLoad`; when the caches hold them all, no load is
+        listed and the request just runs (the peer's transfer is not needed). One prompt token is
+        always computed here.
         """
         request.num_remote_kv_tokens = kv_pending_tokens
         self.waiting.append(request)
@@ -108,6 +110,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         running = self.running
         kv = self.kv
+        page_size = kv.page_size
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -115,18 +118,13 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute (cannot happen for a live request; be safe)
                 index += 1
                 continue
-            while not kv.allocate_slots(request, num_new):
-                victim = running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
-                index += 1
-                continue
-            break  # the request itself was preempted; everything after it already was too
+            # Most decode steps stay inside the last page: skip the allocator call then.
+            end = request.num_computed_tokens + num_new
+            if end > len(request.page_ids) * page_size and not self._make_room(request, num_new, out):
+                break  # the request itself was preempted; everything after it already was too
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            index += 1
         if out.preempted:
             return self._ordered(out)  # pages are short: no drafts, no admissions
         if budget > 0:
@@ -147,6 +145,7 @@ class Scheduler:
                 kv.free(request)
                 break
             waiting.popleft()
+            request.num_remote_kv_tokens = 0  # a peer sends once; after a preemption the request recomputes
             if pending:
                 self._wait_for_kv(request, pending, num_tier, out)
                 continue
@@ -157,6 +156,19 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return self._ordered(out)
+
+    def _make_room(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Pages for a running request's next tokens, preempting the newest running requests as needed.
+
+        False when the request itself had to be preempted.
+        """
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
 
     def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         """Extend decode rows with their request's drafts from the budget left; returns what remains.
@@ -191,7 +203,6 @@ class Scheduler:
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_pending_kv_tokens = pending
         request.num_pending_tier_tokens = num_tier
-        request.num_remote_kv_tokens = 0  # a peer sends once; after a preemption the request recomputes
         self.waiting_for_kv[request.request_id] = request
         out.kv_loads.append(
             KVLoad(
@@ -259,7 +270,9 @@ class Scheduler:
                 if computed != request.num_tokens:
                     raise ValueError(f"request {request.request_id}: tokens for a row that samples nothing")
                 num_accepted = len(tokens) - 1
-                if num_accepted > len(drafts) or tokens[:num_accepted] != drafts[:num_accepted]:
+                if num_accepted and (
+                    num_accepted > len(drafts) or tokens[:num_accepted] != drafts[:num_accepted]
+                ):
                     raise ValueError(f"request {request.request_id}: kept {tokens} do not extend drafts")
                 computed += num_accepted
                 request.token_ids += tokens
