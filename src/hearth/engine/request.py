@@ -1,4 +1,5 @@
-"""A request's state inside the engine: tokens, pages held, progress, and how it ended."""
+"""A request's state inside the engine core: tokens, pages held, progress, and how it ended (no text: see
+`hearth.engine.output_processor`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hearth.engine.detokenizer import IncrementalDetokenizer
-from hearth.engine.outputs import FinishReason, TokenLogprob
+from hearth.engine.outputs import FinishReason
 from hearth.engine.sampling_params import SamplingParams
-from hearth.engine.stop_checker import StopStringMatcher
 from hearth.engine.structured_output import GrammarMatcher
 
 
@@ -29,8 +28,6 @@ class Request:
     prefix_root: bytes
     arrival_index: int
     max_model_len: int
-    detokenizer: IncrementalDetokenizer | None = None
-    stop_matcher: StopStringMatcher | None = None
     generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # set when the answer is constrained (structured output)
 
@@ -55,16 +52,12 @@ class Request:
     # reporting
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    output_text: str = ""
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
+    stop_reason: int | None = None  # the stop token id that ended it (stop strings end it on the API side)
     error: str | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.logprobs is not None:
-            self.logprobs = []
 
     @property
     def all_token_ids(self) -> list[int]:
