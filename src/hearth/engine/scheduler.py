@@ -291,15 +291,6 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
 
-    def update(self, batch: list[ScheduledRequest], accepted_tokens: list[list[int]]) -> None:
-        """After a step: `accepted_tokens[i]` are the new tokens of `batch[i]` ([] for a mid-prompt chunk)."""
-        for item, tokens in zip(batch, accepted_tokens):
-            request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            request.token_ids.extend(tokens)
-            request.output_token_ids.extend(tokens)
-            self.kv.cache_full_pages(request)
-
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.WAITING
