@@ -3,30 +3,16 @@
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass, field
 
 import msgspec
 import pytest
 
 from hearth.engine.request import Request
 from hearth.engine.sampling_params import SamplingParams
+from hearth.engine.scheduler import ScheduledRequest as Row
 from hearth.engine.step_input import StepInput, StepInputBuilder
 
 PAGE_SIZE = 4
-
-
-@dataclass
-class Row:
-    """A scheduler row (the contract of `ScheduledRequest`, drafts included)."""
-
-    request: Request
-    num_new_tokens: int
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        known = self.num_new_tokens - len(self.draft_token_ids)
-        return self.request.num_computed_tokens + known == self.request.num_tokens
 
 
 def make_request(

@@ -3,7 +3,6 @@ the draft acceptance rule, per-request state, the KV dtype, and every tensor on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import count
 
 import pytest
@@ -13,23 +12,12 @@ from hf_oracle import _load, hf_greedy
 from hearth import LLM, SamplingParams
 from hearth.engine.config import EngineConfig
 from hearth.engine.request import Request
+from hearth.engine.scheduler import ScheduledRequest as Row
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.worker import Worker, kv_layout_for, resolve_device
 from hearth.model.config import ModelConfig
 
 PAGE_SIZE = 4
-
-
-@dataclass
-class Row:
-    request: Request
-    num_new_tokens: int
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        known = self.num_new_tokens - len(self.draft_token_ids)
-        return self.request.num_computed_tokens + known == self.request.num_tokens
 
 
 class Requests:
@@ -204,3 +192,34 @@ def test_device_option():
             resolve_device("cuda")
     with pytest.raises(ValueError, match="device must be one of"):
         EngineConfig(model="m", device="tpu")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_with_drafts_stays_token_exact(tiny_model_factory, arch):
+    """Drafts that are partly right (a proposer's guesses) go through schedule -> worker -> update: the
+    output is transformers' greedy output, whatever was accepted or rolled back on the way."""
+    import random
+
+    from hearth.engine.messages import EngineRequest
+
+    model_dir = tiny_model_factory(arch)
+    engine = LLM(str(model_dir), dtype="float32", page_size=PAGE_SIZE).engine
+    prompts = {f"p{n}": [(7 * i + n) % 500 for i in range(n)] for n in (3, 10, 17)}
+    expected = {request_id: hf_greedy(model_dir, prompt, 16) for request_id, prompt in prompts.items()}
+    for request_id, prompt in prompts.items():
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        engine.add_request(EngineRequest(request_id, prompt, params))
+    rng = random.Random(0)
+    produced: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    multi_token_steps = 0
+    while engine.has_work:
+        for request in engine.scheduler.running:
+            done = len(request.output_token_ids)
+            truth = expected[request.request_id][done + 1 : done + 1 + rng.randrange(0, 5)]
+            request.draft_token_ids = [t if rng.random() < 0.7 else (t + 1) % 500 for t in truth]
+        for output in engine.step():
+            produced[output.request_id].extend(output.new_token_ids)
+            multi_token_steps += len(output.new_token_ids) > 1
+    assert produced == expected
+    assert multi_token_steps > 3  # drafts were accepted along the way
+    assert engine.stats().kv_pages_used == 0

@@ -88,7 +88,8 @@ class StepInput(msgspec.Struct, omit_defaults=True):
 
 
 class StepInputBuilder:
-    """Builds each step's `StepInput`; collects the ids of requests that finished in between.
+    """Builds each step's `StepInput`; collects what happened in between: requests that finished, and
+    pages handed out outside scheduled rows (KV arriving from a peer or a lower tier) whose tags the pool needs.
 
     `check_page_tags` fills `StepInput.page_tags` (the integrity check's expected tags); off, they stay empty.
     """
@@ -97,10 +98,17 @@ class StepInputBuilder:
         self.page_size = page_size
         self.check_page_tags = check_page_tags
         self._finished: list[str] = []
+        self._tag_page_ids: list[int] = []
+        self._tag_values: list[int] = []
 
     def request_finished(self, request_id: str) -> None:
         """The worker drops the request's state before the next step runs."""
         self._finished.append(request_id)
+
+    def pages_allocated(self, page_ids: Sequence[int], tags: Sequence[int]) -> None:
+        """Pages whose tags the pool gets with the next step (pages of scheduled rows are found by `build`)."""
+        self._tag_page_ids.extend(page_ids)
+        self._tag_values.extend(tags)
 
     def build(
         self,
@@ -118,8 +126,8 @@ class StepInputBuilder:
         sampling: list[StepSamplingRow] = []
         row_pages: list[list[int]] = []
         page_tags: list[int] = []
-        tag_page_ids: list[int] = []
-        tag_values: list[int] = []
+        tag_page_ids, self._tag_page_ids = self._tag_page_ids, []
+        tag_values, self._tag_values = self._tag_values, []
         constrained: list[tuple[int, GrammarMatcher]] = []
         num_decode_rows = 0
         leading = True
@@ -128,7 +136,7 @@ class StepInputBuilder:
             request = item.request
             start = request.num_computed_tokens
             num_new = item.num_new_tokens
-            drafts: list[int] = getattr(item, "draft_token_ids", None) or []
+            drafts = item.draft_token_ids
             end = start + num_new
             page_ids = request.page_ids
             if num_new == 1 and not drafts:
