@@ -223,3 +223,54 @@ def test_engine_with_drafts_stays_token_exact(tiny_model_factory, arch):
     assert produced == expected
     assert multi_token_steps > 3  # drafts were accepted along the way
     assert engine.stats().kv_pages_used == 0
+
+
+def test_draft_masks_follow_the_grammar_through_the_drafts(tiny_model_factory):
+    from hearth.engine.structured_output import StructuredOutput, StructuredOutputManager
+    from hearth.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_model_factory("llama"))
+    manager = StructuredOutputManager(tokenizer, tokenizer.eos_token_ids)
+    answer = tokenizer.encode('{"a": [1, 2]}', add_special_tokens=False)
+    bad = tokenizer.encode("]", add_special_tokens=False)[0]  # no JSON object starts with it
+    drafts = answer[:4] + [bad] + answer[4:6]
+    matcher = manager.new_matcher(StructuredOutput.json_object())
+    masks = manager.compute_draft_bitmask(matcher, drafts)
+    assert masks.shape[0] == 5  # states after 0..4 drafts; the fifth draft is not allowed
+    for i in range(5):
+        fresh = manager.new_matcher(StructuredOutput.json_object())
+        for token in drafts[:i]:
+            assert fresh.accept(token)
+        assert torch.equal(masks[i], manager.compute_bitmask([fresh])[1][0])
+    assert manager.compute_bitmask([matcher])[1].equal(masks[:1])  # the matcher is back where it was
+
+
+def test_constrained_request_with_drafts_gives_the_same_json(tiny_model_factory):
+    import random
+
+    from hearth.engine.messages import EngineRequest
+    from hearth.engine.structured_output import StructuredOutput
+
+    engine = LLM(str(tiny_model_factory("llama")), dtype="float32", page_size=PAGE_SIZE).engine
+    params = SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput.json_object())
+    prompt = [5, 6, 7, 8, 9]
+
+    def run(request_id: str, draft_source: list[int] | None) -> tuple[list[int], str | None]:
+        engine.add_request(EngineRequest(request_id, prompt, params))
+        rng = random.Random(1)
+        tokens, finish_reason = [], None
+        while engine.has_work:
+            for request in engine.scheduler.running:
+                if draft_source is not None:
+                    done = len(request.output_token_ids)
+                    truth = draft_source[done + 1 : done + 1 + rng.randrange(0, 5)]
+                    request.draft_token_ids = [t if rng.random() < 0.7 else (t + 3) % 500 for t in truth]
+            for output in engine.step():
+                tokens.extend(output.new_token_ids)
+                finish_reason = output.finish_reason or finish_reason
+        return tokens, finish_reason
+
+    plain, plain_finish = run("plain", None)
+    drafted, drafted_finish = run("drafted", plain)
+    assert plain_finish in ("stop", "length")
+    assert (drafted, drafted_finish) == (plain, plain_finish)

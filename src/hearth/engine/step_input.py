@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
+import torch
 
 from hearth.engine.sampling_params import SamplingParams
 
@@ -56,8 +57,10 @@ class StepInput(msgspec.Struct, omit_defaults=True):
       tag tensor.
     - `logits_indices`: flat-batch rows whose logits are sampled, 1 + len(drafts) consecutive ones per
       sampled row, in `sampling` order.
-    - `bitmask_rows`/`bitmask`: grammar masks of constrained rows, as indices into `logits_indices` and
-      their little-endian int32 words (`len(bitmask_rows)` rows of equal width; bit t allows token t).
+    - `bitmask_rows`/`bitmask`: grammar masks, as indices into `logits_indices` (a constrained row with
+      drafts has one per position its grammar reaches) and their little-endian int32 words
+      (`len(bitmask_rows)` rows of equal width; bit t allows token t). Bytes, not a list: a 150k vocabulary
+      is 4.7k words a row, copied once instead of boxed as Python ints.
     - `finished_request_ids`: requests gone since the last step; the worker drops their state first.
     """
 
@@ -128,7 +131,7 @@ class StepInputBuilder:
         page_tags: list[int] = []
         tag_page_ids, self._tag_page_ids = self._tag_page_ids, []
         tag_values, self._tag_values = self._tag_values, []
-        constrained: list[tuple[int, GrammarMatcher]] = []
+        constrained: list[tuple[int, GrammarMatcher, list[int]]] = []
         num_decode_rows = 0
         leading = True
         width = 0
@@ -173,7 +176,7 @@ class StepInputBuilder:
                 tag_values.append(generations[index])
             if item.samples:
                 if request.grammar is not None:
-                    constrained.append((len(logits_indices), request.grammar))
+                    constrained.append((len(logits_indices), request.grammar, drafts))
                 num_tokens = len(token_ids)
                 logits_indices.extend(range(num_tokens - 1 - len(drafts), num_tokens))
                 params = request.params
@@ -213,8 +216,24 @@ class StepInputBuilder:
         if constrained:
             if structured is None:
                 raise ValueError("constrained rows in the batch, but no StructuredOutputManager to mask them")
-            # The mask holds for a row's first sampled position (constrained rows carry no drafts yet).
-            _, words = structured.compute_bitmask([matcher for _, matcher in constrained])
-            step.bitmask_rows = [row for row, _ in constrained]
-            step.bitmask = words.numpy().tobytes()
+            self._add_bitmask(step, constrained, structured)
         return step
+
+    @staticmethod
+    def _add_bitmask(
+        step: StepInput,
+        constrained: list[tuple[int, GrammarMatcher, list[int]]],
+        structured: StructuredOutputManager,
+    ) -> None:
+        """Grammar masks: rows without drafts in one batched call; a row with drafts gets one mask per
+        position its grammar reaches (see `StructuredOutputManager.compute_draft_bitmask`)."""
+        plain = [(row, matcher) for row, matcher, drafts in constrained if not drafts]
+        rows = [row for row, _ in plain]
+        parts = [structured.compute_bitmask([matcher for _, matcher in plain])[1]] if plain else []
+        for row, matcher, drafts in constrained:
+            if drafts:
+                words = structured.compute_draft_bitmask(matcher, drafts)
+                rows.extend(range(row, row + words.shape[0]))
+                parts.append(words)
+        step.bitmask_rows = rows
+        step.bitmask = (parts[0] if len(parts) == 1 else torch.cat(parts)).numpy().tobytes()

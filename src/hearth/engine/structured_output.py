@@ -199,6 +199,21 @@ class StructuredOutputManager:
             )
         return rows, bitmask
 
+    def compute_draft_bitmask(self, matcher: GrammarMatcher, draft_token_ids: Sequence[int]) -> torch.Tensor:
+        """Masks for a row that verifies drafts: int32 words `[m + 1, ceil(vocab / 32)]`, row i for the grammar
+        state after `draft_token_ids[:i]`, where m is how many leading drafts the grammar allows. Positions
+        past m need no mask: draft m is not allowed at position m, so the row's kept run ends there. The
+        matcher is left where it was."""
+        raw = matcher.raw
+        num_valid = raw.try_consume_tokens(list(draft_token_ids))
+        num_words = (self.ll_tokenizer.vocab_size + 31) // 32
+        bitmask = torch.empty(num_valid + 1, num_words, dtype=torch.int32)
+        for i in range(num_valid, -1, -1):  # from the last state back to the first, rolling back a draft each
+            self._executor.unsafe_compute_mask_ptr([(raw, 0)], bitmask[i].data_ptr(), num_words * 4, 1)
+            if i:
+                raw.rollback(1)
+        return bitmask
+
     def mask_logits(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:
         """Forbid, in place, every token that a row's grammar does not allow next (rows with None: untouched)."""
         rows, words = self.compute_bitmask(matchers)
