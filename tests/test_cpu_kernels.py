@@ -60,7 +60,7 @@ def test_kernel_matches_gather_and_sdpa(heads, kv_heads, window):
 def test_engine_with_kernel_matches_transformers(tiny_model_factory):
     model_dir = tiny_model_factory("qwen3")
     prompts = [[(7 * i + 3) % 500 for i in range(n)] for n in (5, 19, 33)]
-    results = LLM(str(model_dir), dtype="float32", page_size=8).generate(
+    results = LLM(str(model_dir), dtype="float32", page_size=8, device="cpu").generate(
         prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     )
     assert cpu_kernels.paged_decode_attention_kernel() is not None
@@ -96,7 +96,7 @@ def test_bf16_skinny_linear_rejects_wrong_inputs():
 )
 def test_bf16_checkpoint_keeps_bf16_weights_and_matches_transformers(tiny_model_factory, arch, overrides):
     model_dir = tiny_model_factory(arch, weights_dtype="bfloat16", **overrides)
-    llm = LLM(str(model_dir), dtype="float32", page_size=8)
+    llm = LLM(str(model_dir), dtype="float32", page_size=8, device="cpu")
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     # Every projection runs from its bf16 copy at decode batch sizes; no float32 copy is kept beside the packed one.
     assert linears and all(m.prepared.bf16 is not None for m in linears)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +48,8 @@ class TorchMetadata(AttentionMetadata):
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
-    def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(**kwargs)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self._zero_positions = torch.zeros(self.max_num_seqs, dtype=torch.long, device=self.device)
 
     def _uses_decode_kernel(self) -> bool:
