@@ -6,8 +6,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from hearth.engine.outputs import FinishReason
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.structured_output import GrammarMatcher
@@ -28,7 +26,6 @@ class Request:
     prefix_root: bytes
     arrival_index: int
     max_model_len: int
-    generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # set when the answer is constrained (structured output)
 
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the KV cache holds
