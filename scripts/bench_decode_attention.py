@@ -11,8 +11,10 @@ import time
 
 import torch
 
+from hearth.engine.step_input import StepInput
+from hearth.kv.pool import KVLayout, KVPool
 from hearth.ops import cpu_kernels
-from hearth.ops.attention import AttentionContext, _decode_attention
+from hearth.ops.attention.cpu import CpuBackend
 
 
 def main() -> None:
@@ -33,18 +35,24 @@ def main() -> None:
     page_size = args.page_size
     max_pages = -(-args.context // page_size)
     num_pages = args.seqs * max_pages
-    k_pool = torch.randn(num_pages * page_size, args.kv_heads, args.head_dim)
-    v_pool = torch.randn(num_pages * page_size, args.kv_heads, args.head_dim)
+    pool = KVPool(KVLayout(1, args.kv_heads, args.head_dim, page_size, torch.float32), num_pages)
+    pool.storage.normal_()
     # Decode allocates one page per sequence in turn, so a sequence's pages interleave with the others'.
     table = torch.arange(num_pages).view(max_pages, args.seqs).t().contiguous()
-    lens = torch.full((args.seqs,), args.context, dtype=torch.long)
-    ctx = AttentionContext(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        page_size=page_size,
-        num_decode_tokens=args.seqs,
-        decode_page_table=table,
-        decode_context_lens=lens,
-        decode_first_positions=torch.zeros_like(lens),
+    step = StepInput(
+        token_ids=[0] * args.seqs,
+        positions=[args.context - 1] * args.seqs,
+        query_start_loc=list(range(args.seqs + 1)),
+        seq_lens=[args.context] * args.seqs,
+        num_decode_rows=args.seqs,
+        page_table=table.flatten().tolist(),
+        page_table_width=max_pages,
+        slot_mapping=[0] * args.seqs,
+        logits_indices=[],
+        sampling=[],
+    )
+    backend = CpuBackend(
+        device="cpu", page_size=page_size, max_num_seqs=args.seqs, max_pages_per_seq=max_pages
     )
     q = torch.randn(args.seqs, args.heads, args.head_dim)
     scale = args.head_dim**-0.5
@@ -52,9 +60,10 @@ def main() -> None:
     for _ in range(3):  # interleaved rounds; keep each way's best
         for name in ("kernel", "torch"):
             cpu_kernels._kernel = kernel if name == "kernel" else None
+            metadata = backend.prepare(step)  # once per step; it picks the kernel or the torch path
             start = time.perf_counter()
             for _ in range(args.repeats):
-                _decode_attention(q, k_pool, v_pool, ctx, scale, page_size)
+                backend.forward(0, q, None, None, pool, metadata, scale)
             elapsed_ms = (time.perf_counter() - start) / args.repeats * 1e3
             best[name] = min(best.get(name, elapsed_ms), elapsed_ms)
     print(

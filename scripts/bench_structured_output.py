@@ -12,6 +12,7 @@ import time
 import jsonschema
 
 from hearth.engine import structured_output as so
+from hearth.engine import worker as worker_module
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.structured_output import StructuredOutput
@@ -36,16 +37,21 @@ SCHEMA = {
 llm = LLM(sys.argv[1], num_threads=1)
 engine = llm.engine
 mask_s = [0.0]
-real_mask = engine.structured.mask_logits
 
 
-def timed_mask(*args):
-    started = time.process_time()
-    real_mask(*args)
-    mask_s[0] += time.process_time() - started
+def timed(real):
+    def wrapper(*args):
+        started = time.process_time()
+        result = real(*args)
+        mask_s[0] += time.process_time() - started
+        return result
+
+    return wrapper
 
 
-engine.structured.mask_logits = timed_mask
+# The mask's two halves: computed by the engine (before the step), applied to the logits by the worker.
+engine.structured.compute_bitmask = timed(engine.structured.compute_bitmask)
+worker_module.apply_bitmask = timed(worker_module.apply_bitmask)
 accept_s = [0.0]
 real_accept = so.GrammarMatcher.accept
 

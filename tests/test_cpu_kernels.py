@@ -8,50 +8,59 @@ import torch
 from hf_oracle import hf_greedy
 
 from hearth import LLM, SamplingParams
+from hearth.engine.step_input import StepInput
+from hearth.kv.pool import KVLayout, KVPool
 from hearth.model.layers import Linear
 from hearth.ops import cpu_kernels
-from hearth.ops.attention import AttentionContext, _decode_attention
+from hearth.ops.attention.cpu import CpuBackend
+from hearth.ops.attention.torch_ref import TorchRefBackend
 
 kernel = cpu_kernels.paged_decode_attention_kernel(wait=True)
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain for torch extensions here")
 
 
-def torch_path(monkeypatch, *args):
-    monkeypatch.setattr(cpu_kernels, "_kernel", None)
-    try:
-        return _decode_attention(*args)
-    finally:
-        monkeypatch.setattr(cpu_kernels, "_kernel", kernel)
+def decode_step(lens: list[int], table: torch.Tensor) -> StepInput:
+    """A step of decode rows only, over the given page table (the K/V are already in the pool)."""
+    n = len(lens)
+    return StepInput(
+        token_ids=[0] * n,
+        positions=[length - 1 for length in lens],
+        query_start_loc=list(range(n + 1)),
+        seq_lens=lens,
+        num_decode_rows=n,
+        page_table=table.flatten().tolist(),
+        page_table_width=table.shape[1],
+        slot_mapping=[0] * n,
+        logits_indices=[],
+        sampling=[],
+    )
 
 
 @pytest.mark.parametrize("heads,kv_heads,window", [(8, 4, None), (4, 1, None), (6, 6, None), (8, 2, 37)])
-def test_kernel_matches_gather_and_sdpa(monkeypatch, heads, kv_heads, window):
+def test_kernel_matches_gather_and_sdpa(heads, kv_heads, window):
     torch.manual_seed(heads * 10 + kv_heads)
-    n, dim, page_size, num_pages = 7, 32, 8, 64
-    k_pool = torch.randn(num_pages * page_size, kv_heads, dim)
-    v_pool = torch.randn(num_pages * page_size, kv_heads, dim)
-    lens = torch.tensor([1, 5, 8, 9, 40, 63, 64], dtype=torch.long)
-    max_pages = 8
-    table = torch.randperm(num_pages)[: n * max_pages].view(n, max_pages).contiguous()
-    first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
-    ctx = AttentionContext(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        page_size=page_size,
-        num_decode_tokens=n,
-        decode_page_table=table,
-        decode_context_lens=lens,
-        decode_first_positions=first,
-    )
+    n, dim, page_size, num_pages, max_pages = 7, 32, 8, 64, 8
+    pool = KVPool(KVLayout(1, kv_heads, dim, page_size, torch.float32), num_pages)
+    pool.storage.normal_()
+    lens = [1, 5, 8, 9, 40, 63, 64]
+    table = torch.randperm(num_pages)[: n * max_pages].view(n, max_pages)
+    step = decode_step(lens, table)
     q = torch.randn(n, heads, dim)
-    fast = _decode_attention(q, k_pool, v_pool, ctx, dim**-0.5, page_size)
-    reference = torch_path(monkeypatch, q, k_pool, v_pool, ctx, dim**-0.5, page_size)
-    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+    options = dict(
+        device="cpu", page_size=page_size, max_num_seqs=16, max_pages_per_seq=12, sliding_window=window
+    )
+    cpu, reference = CpuBackend(**options), TorchRefBackend(**options)
+    cpu_metadata = cpu.prepare(step)
+    assert cpu_metadata.decode_kernel is not None and cpu_metadata.decode_mask is None
+    fast = cpu.forward(0, q, None, None, pool, cpu_metadata, dim**-0.5)
+    slow = reference.forward(0, q, None, None, pool, reference.prepare(step), dim**-0.5)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
 
 
 def test_engine_with_kernel_matches_transformers(tiny_model_factory):
     model_dir = tiny_model_factory("qwen3")
     prompts = [[(7 * i + 3) % 500 for i in range(n)] for n in (5, 19, 33)]
-    results = LLM(str(model_dir), dtype="float32", page_size=8).generate(
+    results = LLM(str(model_dir), dtype="float32", page_size=8, device="cpu").generate(
         prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     )
     assert cpu_kernels.paged_decode_attention_kernel() is not None
@@ -87,7 +96,7 @@ def test_bf16_skinny_linear_rejects_wrong_inputs():
 )
 def test_bf16_checkpoint_keeps_bf16_weights_and_matches_transformers(tiny_model_factory, arch, overrides):
     model_dir = tiny_model_factory(arch, weights_dtype="bfloat16", **overrides)
-    llm = LLM(str(model_dir), dtype="float32", page_size=8)
+    llm = LLM(str(model_dir), dtype="float32", page_size=8, device="cpu")
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     # Every projection runs from its bf16 copy at decode batch sizes; no float32 copy is kept beside the packed one.
     assert linears and all(m.prepared.bf16 is not None for m in linears)

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hearth.engine.config import EngineConfig
-from hearth.engine.engine import Engine, EngineStats
+from hearth.engine.engine import EngineStats
+from hearth.engine.factory import build_engine
+from hearth.engine.messages import CoreOutput, EngineRequest
+from hearth.engine.output_processor import OutputProcessor
 from hearth.engine.outputs import RequestOutput
 from hearth.engine.sampling_params import SamplingParams
 from hearth.model.tokenizer import Tokenizer
@@ -42,7 +45,8 @@ class _Abort:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = Engine(config)
+        self.engine = build_engine(config)
+        self.output_processor = OutputProcessor(self.engine.tokenizer)
         self.config = config
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
@@ -116,19 +120,27 @@ class AsyncEngine:
             del self._sinks[output.request_id]
         loop.call_soon_threadsafe(sink.put_nowait, output)
 
+    def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
+        processed = self.output_processor.process(core_outputs)
+        if processed.abort_request_ids:  # stop strings ended them; free their pages in the core
+            self.engine.abort(processed.abort_request_ids, "finished by a stop string")
+        return processed.request_outputs
+
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            output = self.engine.abort(command.request_id, "aborted by the client")
-            if output is not None:
+            for output in self._process(self.engine.abort([command.request_id], "aborted by the client")):
                 self._deliver(output)
             return
         try:
             self.engine.add_request(
-                command.prompt_token_ids, command.params, command.request_id, command.cache_salt
+                EngineRequest(
+                    command.request_id, command.prompt_token_ids, command.params, command.cache_salt
+                )
             )
         except Exception as exc:  # validation errors go back to the caller
             command.loop.call_soon_threadsafe(_set_exception, command.accepted, exc)
             return
+        self.output_processor.add_request(command.request_id, command.prompt_token_ids, command.params)
         self._sinks[command.request_id] = (command.loop, command.sink)
         command.loop.call_soon_threadsafe(_set_result, command.accepted)
 
@@ -158,7 +170,7 @@ class AsyncEngine:
             if not self.engine.has_work:
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self._process(self.engine.step())
             except Exception as exc:
                 logger.exception("engine step failed; aborting the running requests")
                 outputs = self._abort_all(f"engine error: {exc}")
@@ -168,12 +180,9 @@ class AsyncEngine:
             self._deliver(output)
 
     def _abort_all(self, reason: str) -> list[RequestOutput]:
-        outputs = []
-        for request_id in list(self._sinks):
-            output = self.engine.abort(request_id, reason)
-            if output is not None:
-                output.finish_reason = "error" if reason.startswith("engine error") else "abort"
-                outputs.append(output)
+        outputs = self._process(self.engine.abort(list(self._sinks), reason))
+        for output in outputs:
+            output.finish_reason = "error" if reason.startswith("engine error") else "abort"
         return outputs
 
 

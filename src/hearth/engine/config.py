@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# fp8_e4m3 is listed so that asking for it gets a clear answer; hearth.kv.pool holds its place.
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -25,10 +28,22 @@ class EngineConfig:
     num_threads: int | None = None
     served_model_name: str | None = None
     load_progress: bool = False
+    device: str = "auto"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "fp8_e4m3":
+            raise ValueError(
+                "--kv-cache-dtype fp8_e4m3: the FP8 KV cache is not built yet; use auto, bfloat16, float16 or float32"
+            )
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
         if self.page_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -58,6 +73,18 @@ class EngineConfig:
             default="auto",
             choices=DTYPE_CHOICES,
             help="weights/activations dtype; auto = the checkpoint's (float32 on CPUs without bf16/fp16 math)",
+        )
+        group.add_argument(
+            "--device",
+            default="auto",
+            choices=DEVICE_CHOICES,
+            help="where the model and KV cache live; auto = cuda when available, else cpu",
+        )
+        group.add_argument(
+            "--kv-cache-dtype",
+            default="auto",
+            choices=KV_CACHE_DTYPE_CHOICES,
+            help="KV cache storage dtype; auto = the model's dtype (fp8_e4m3 is not built yet)",
         )
         group.add_argument(
             "--kv-cache-memory",

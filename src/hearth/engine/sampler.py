@@ -29,8 +29,13 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated before this step
+    output_token_ids: list[int]  # generated before this step (may be left empty when no penalty reads it)
     generator: torch.Generator | None = None  # set for seeded requests, see make_generator
+    num_output_tokens: int | None = None  # generated before this step, when output_token_ids is not given
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_token_ids) if self.num_output_tokens is None else self.num_output_tokens
 
 
 @dataclass
@@ -88,7 +93,7 @@ class Sampler:
                 penalty_rows.append(i)
             if p.logprobs is not None:
                 logprob_rows.append(i)
-            if len(row.output_token_ids) < p.min_tokens:
+            if row.num_outputs < p.min_tokens:
                 min_token_rows.append(i)
 
         if not (random_rows or penalty_rows or logprob_rows or min_token_rows):
@@ -115,9 +120,7 @@ class Sampler:
         """The logits after penalties and min_tokens masking (a new tensor): what greedy rows argmax."""
         logits = logits[:, : self.vocab_size]
         penalty_rows = [i for i, row in enumerate(rows) if row.params.needs_penalties]
-        min_token_rows = [
-            i for i, row in enumerate(rows) if len(row.output_token_ids) < row.params.min_tokens
-        ]
+        min_token_rows = [i for i, row in enumerate(rows) if row.num_outputs < row.params.min_tokens]
         processed = self._process(logits, rows, penalty_rows, min_token_rows)
         return processed.clone() if processed.data_ptr() == logits.data_ptr() else processed
 

@@ -143,8 +143,9 @@ class StructuredOutputManager:
     """The engine's grammar side, one per tokenizer.
 
     `new_matcher(spec)` compiles (or reuses) the spec's grammar for this tokenizer and returns a fresh
-    matcher. `mask_logits(logits, matchers)` sets every column a row's matcher forbids to -inf, in place,
-    for rows whose matcher is not None. The llguidance tokenizer (a token trie, about a second for a 150k
+    matcher. `compute_bitmask(matchers)` gives the packed masks of the rows whose matcher is not None
+    (the engine's side, before a step); `apply_bitmask` (a function: the worker's side) sets every column
+    a mask forbids to -inf; `mask_logits` does both, in place. The llguidance tokenizer (a token trie, about a second for a 150k
     vocabulary) is built on first use, so servers that never see a constrained request never pay for it.
     """
 
@@ -152,7 +153,6 @@ class StructuredOutputManager:
         self._tokenizer = tokenizer
         self._eos_token_ids = sorted(t for t in eos_token_ids if 0 <= t < tokenizer.vocab_size)
         self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._bias_tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     @cached_property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -181,46 +181,77 @@ class StructuredOutputManager:
             self._templates.move_to_end(grammar)
         return GrammarMatcher(template.deep_copy())
 
-    @torch.inference_mode()  # the runner's logits are inference tensors; in place is allowed only in here
-    def mask_logits(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:
-        """Forbid, in place, every token that a row's grammar does not allow next (rows with None: untouched)."""
+    def compute_bitmask(self, matchers: Sequence[GrammarMatcher | None]) -> tuple[list[int], torch.Tensor]:
+        """What each constrained row may take next: (indices of the rows whose matcher is not None, their
+        masks as int32 words `[len(rows), ceil(vocab / 32)]` on the CPU, bit t of the row set when token t is
+        allowed). The engine computes this before the step; the worker applies it (`apply_bitmask`)."""
         rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
-        if not rows:
-            return
         # One bit per token id, 32 to an int32 word, as llguidance writes them (its torch helpers would
-        # import torch.compile machinery, so the two calls they wrap are made here).
+        # import torch.compile machinery, so the call they wrap is made here).
         num_words = (self.ll_tokenizer.vocab_size + 31) // 32
         bitmask = torch.empty(len(rows), num_words, dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr(
-            [(matchers[i].raw, k) for k, i in enumerate(rows)],  # type: ignore[union-attr]
-            bitmask.data_ptr(),
-            num_words * 4,
-            len(rows),
-        )
-        # Unpacked where the logits are (the packed words are 32x smaller than a mask), a byte at a time through
-        # a 256-entry table of 0 / -inf biases: one gather and one add, several times cheaper than shifting
-        # out 32 bits per word and a masked_fill on CPU.
-        packed = (
-            bitmask.to(logits.device, non_blocking=True).view(torch.uint8).flatten().int()
-        )  # little-endian
-        bias = self._bias_table(logits).index_select(0, packed).view(len(rows), -1)
-        width = logits.shape[1]
-        if bias.shape[1] >= width:
-            bias = bias[:, :width]
-        else:  # columns past the tokenizer's ids (a padded embedding) are never allowed
-            bias = torch.nn.functional.pad(bias, (0, width - bias.shape[1]), value=float("-inf"))
-        if len(rows) == logits.shape[0]:
-            logits.add_(bias)
-            return
-        index = torch.tensor(rows, device=logits.device)
-        logits.index_copy_(0, index, logits.index_select(0, index).add_(bias))
+        if rows:
+            self._executor.unsafe_compute_mask_ptr(
+                [(matchers[i].raw, k) for k, i in enumerate(rows)],  # type: ignore[union-attr]
+                bitmask.data_ptr(),
+                num_words * 4,
+                len(rows),
+            )
+        return rows, bitmask
 
-    def _bias_table(self, logits: torch.Tensor) -> torch.Tensor:
-        """[256, 8]: for each byte value, 0 where its bit is set (allowed) and -inf where not, bits low first."""
-        key = (logits.device, logits.dtype)
-        table = self._bias_tables.get(key)
-        if table is None:
-            bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-            table = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf")).to(logits.device, logits.dtype)
-            self._bias_tables[key] = table
-        return table
+    def compute_draft_bitmask(self, matcher: GrammarMatcher, draft_token_ids: Sequence[int]) -> torch.Tensor:
+        """Masks for a row that verifies drafts: int32 words `[m + 1, ceil(vocab / 32)]`, row i for the grammar
+        state after `draft_token_ids[:i]`, where m is how many leading drafts the grammar allows. Positions
+        past m need no mask: draft m is not allowed at position m, so the row's kept run ends there. The
+        matcher is left where it was."""
+        raw = matcher.raw
+        num_valid = raw.try_consume_tokens(list(draft_token_ids))
+        num_words = (self.ll_tokenizer.vocab_size + 31) // 32
+        bitmask = torch.empty(num_valid + 1, num_words, dtype=torch.int32)
+        for i in range(num_valid, -1, -1):  # from the last state back to the first, rolling back a draft each
+            self._executor.unsafe_compute_mask_ptr([(raw, 0)], bitmask[i].data_ptr(), num_words * 4, 1)
+            if i:
+                raw.rollback(1)
+        return bitmask
+
+    def mask_logits(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:
+        """Forbid, in place, every token that a row's grammar does not allow next (rows with None: untouched)."""
+        rows, words = self.compute_bitmask(matchers)
+        apply_bitmask(logits, rows, words)
+
+
+_BIAS_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _bias_table(logits: torch.Tensor) -> torch.Tensor:
+    """[256, 8]: for each byte value, 0 where its bit is set (allowed) and -inf where not, bits low first."""
+    key = (logits.device, logits.dtype)
+    table = _BIAS_TABLES.get(key)
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf")).to(logits.device, logits.dtype)
+        _BIAS_TABLES[key] = table
+    return table
+
+
+@torch.inference_mode()  # the model's logits are inference tensors; in place is allowed only in here
+def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], words: torch.Tensor) -> None:
+    """Set, in place, `logits[rows[k], t]` to -inf wherever bit t of `words[k]` is clear; columns past the
+    mask's width (a padded embedding) are never allowed. `words`: int32 `[len(rows), num_words]`, any device."""
+    if not rows:
+        return
+    # Unpacked where the logits are (the packed words are 32x smaller than a mask), a byte at a time through
+    # a 256-entry table of 0 / -inf biases: one gather and one add, several times cheaper than shifting
+    # out 32 bits per word and a masked_fill on CPU.
+    packed = words.to(logits.device, non_blocking=True).view(torch.uint8).flatten().int()  # little-endian
+    bias = _bias_table(logits).index_select(0, packed).view(len(rows), -1)
+    width = logits.shape[1]
+    if bias.shape[1] >= width:
+        bias = bias[:, :width]
+    else:
+        bias = torch.nn.functional.pad(bias, (0, width - bias.shape[1]), value=float("-inf"))
+    if len(rows) == logits.shape[0]:
+        logits.add_(bias)
+        return
+    index = torch.tensor(list(rows), device=logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).add_(bias))

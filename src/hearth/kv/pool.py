@@ -1,45 +1,134 @@
-"""The KV pool: the tensors that hold every layer's keys and values, page by page."""
+"""The KV pool: the tensors that hold every layer's keys and values, page by page, on one device.
+
+A physical page id indexes the pool of every layer. Besides K and V the pool keeps one generation
+tag per page (written by the engine when the allocator hands a page out, read by the integrity
+check) and, for quantized KV dtypes, per-layer scales.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+from hearth.ops.attention.backend import write_kv
+
+KVKind = Literal["mha", "latent"]
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
+_NAMED_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class KVCacheDtypeError(ValueError):
+    pass
+
+
+def resolve_kv_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`--kv-cache-dtype`: `auto` stores K/V in the model's dtype; the others name the storage dtype."""
+    if requested == "auto":
+        return model_dtype
+    if requested == "fp8_e4m3":
+        # The place for it: a float8_e4m3fn pool with per-layer `k_scales`/`v_scales` (see KVPool), a
+        # quantizing `store` and dequantizing attention backends. The FP8 KV issue builds them.
+        raise KVCacheDtypeError(
+            "--kv-cache-dtype fp8_e4m3: the FP8 KV cache is not built yet; use auto, bfloat16, float16 or float32"
+        )
+    try:
+        return _NAMED_KV_DTYPES[requested]
+    except KeyError:
+        raise KVCacheDtypeError(
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {requested!r}"
+        ) from None
 
 
 @dataclass(frozen=True)
 class KVLayout:
+    """What a page holds. `kv_dtype` is the storage dtype (it may differ from the model's compute dtype);
+    `kind` is "mha" (K and V per KV head) or, reserved for MLA models, "latent" (one compressed vector)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
-    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    kind: KVKind = "mha"
 
     @property
     def bytes_per_page(self) -> int:
-        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        element_bytes = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * element_bytes
 
     def describe(self) -> str:
-        """Part of the prefix-key salt: pages of different layouts never match."""
-        return f"{self.dtype}/p{self.page_size}/h{self.num_kv_heads}x{self.head_dim}/l{self.num_layers}"
+        """Part of the prefix-key salt: pages of different layouts (dtype included) never match."""
+        dtype = str(self.kv_dtype).removeprefix("torch.")
+        return (
+            f"{self.kind}/{dtype}/p{self.page_size}/h{self.num_kv_heads}x{self.head_dim}/l{self.num_layers}"
+        )
 
 
 class KVPool:
     """Per layer, K and V as `[num_pages * page_size, num_kv_heads, head_dim]`: a slot is `page * page_size + offset`.
 
-    Allocated with `torch.empty`, so the operating system commits memory only as pages are written.
+    Contract:
+    - `layer(i)` gives layer i's (K, V) slot-addressed views; attention backends read them in place.
+    - `store(layer, slot_mapping, k, v)` writes a step's new keys and values (converted to `kv_dtype`).
+    - `read_pages(page_ids)` copies whole pages of every layer out, `[num_layers, 2, len(page_ids),
+      page_size, num_kv_heads, head_dim]` in `kv_dtype`, and `write_pages(page_ids, data)` puts such a
+      tensor (any float dtype, any device: converted on the way) into other pages, of this pool or another
+      one of the same shape: transfer between servers and tiers moves pages this way.
+    - `page_tags[page]` (int64, on the pool's device) is the generation tag the allocator gave the page's
+      current holder; `set_page_tags` writes them as pages are handed out, the integrity check reads them.
+    - `k_scales`/`v_scales` (float32 `[num_layers]`) are None for unquantized dtypes.
+
+    Allocated with `torch.empty`, so on CPU the operating system commits memory only as pages are written.
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+        if layout.kind != "mha":
+            raise NotImplementedError(f"the {layout.kind!r} KV pool (MLA) is not built yet")
         self.layout = layout
         self.num_pages = num_pages
+        self.page_size = layout.page_size
+        self.device = torch.device(device)
         num_slots = num_pages * layout.page_size
         shape = (layout.num_layers, 2, num_slots, layout.num_kv_heads, layout.head_dim)
-        self.storage = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.storage = torch.empty(shape, dtype=layout.kv_dtype, device=self.device)
+        self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
+        self._layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(layout.num_layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.storage[index, 0], self.storage[index, 1]
+        return self._layers[index]
+
+    def store(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v `[num_tokens, num_kv_heads, head_dim]` into the slots `slot_mapping` (long, on the pool's device)."""
+        k_pool, v_pool = self._layers[layer]
+        write_kv(k_pool, v_pool, slot_mapping, k, v)
+
+    def _paged(self) -> torch.Tensor:
+        layout = self.layout
+        return self.storage.view(
+            layout.num_layers, 2, self.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim
+        )
+
+    def read_pages(self, page_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        index = torch.as_tensor(page_ids, dtype=torch.long).to(self.device)
+        return self._paged().index_select(2, index)
+
+    def write_pages(self, page_ids: list[int] | torch.Tensor, data: torch.Tensor) -> None:
+        index = torch.as_tensor(page_ids, dtype=torch.long).to(self.device)
+        paged = self._paged()
+        expected = (*paged.shape[:2], index.numel(), *paged.shape[3:])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"write_pages: data has shape {tuple(data.shape)}, this pool takes {expected}")
+        paged.index_copy_(2, index, data.to(self.device, self.layout.kv_dtype))
+
+    def set_page_tags(self, page_ids: list[int], tags: list[int]) -> None:
+        if page_ids:
+            index = torch.tensor(page_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            values = torch.tensor(tags, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.page_tags.index_copy_(0, index, values)
 
     @staticmethod
     def num_pages_for_budget(layout: KVLayout, memory_bytes: int) -> int:

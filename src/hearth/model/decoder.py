@@ -121,15 +121,15 @@ class CausalLM(nn.Module):
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         ctx: AttentionContext,
-        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Returns float32 logits for the rows in `logits_indices` only (the tokens that get sampled)."""
         hidden = self.model.embed_tokens(token_ids)
         cos, sin = self.cos_sin[positions].to(hidden.dtype).chunk(2, dim=-1)
         residual = None
-        for layer, kv in zip(self.model.layers, kv_layers):
-            hidden, residual = layer(hidden, residual, cos, sin, kv, ctx)
+        kv_pool = ctx.kv_pool
+        for index, layer in enumerate(self.model.layers):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_pool.layer(index), ctx)
         hidden = hidden[logits_indices]
         hidden = (
             self.model.norm(hidden)

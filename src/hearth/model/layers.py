@@ -17,7 +17,7 @@ from hearth.model.quantization.registry import QuantizationMethod
 from hearth.model.quantization.unquantized import UnquantizedLinearMethod
 from hearth.model.rotary import apply_rotary
 from hearth.model.weights import ShardId, TPRank, WeightShapeError, divide, set_weight_attrs
-from hearth.ops.attention import AttentionContext, paged_attention, write_kv
+from hearth.ops.attention import AttentionContext
 from hearth.ops.cpu_kernels import rms_norm_kernel, rotary_write_kv_kernel
 from hearth.ops.linear import LinearWeights
 
@@ -244,6 +244,7 @@ class RMSNorm(nn.Module):
     def _kernel_for(self, x: torch.Tensor) -> Callable[..., Any] | None:
         if (
             x.dtype != torch.float32
+            or x.device.type != "cpu"
             or x.dim() != 2
             or not x.is_contiguous()
             or self.weight.dtype != torch.float32
@@ -291,9 +292,8 @@ class Attention(nn.Module):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        k_pool, v_pool = kv
-        q = self._rotate_and_write_kv(self.qkv_proj(hidden), cos, sin, k_pool, v_pool, ctx.slot_mapping)
-        out = paged_attention(q, k_pool, v_pool, ctx, self.scale, ctx.page_size)
+        q, k, v = self._rotate_and_write_kv(self.qkv_proj(hidden), cos, sin, kv, ctx)
+        out = ctx.backend.forward(self.layer_index, q, k, v, ctx.kv_pool, ctx.metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _rotate_and_write_kv(
@@ -301,14 +301,20 @@ class Attention(nn.Module):
         qkv: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> torch.Tensor:
-        """Rotated queries `[tokens, heads, head_dim]`; rotated keys and the values go to their pool slots."""
+        kv: tuple[torch.Tensor, torch.Tensor],
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Rotated queries `[tokens, heads, head_dim]` and keys, and the values. On CPU in float32 the
+        fused kernel writes keys and values to their pool slots itself and returns (q, None, None)."""
+        k_pool, v_pool = kv
         fused = rotary_write_kv_kernel() if self.q_norm is None else None
-        if fused is not None and qkv.is_contiguous() and k_pool.dtype == qkv.dtype == torch.float32:
-            return fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, slot_mapping)
+        if (
+            fused is not None
+            and qkv.device.type == "cpu"
+            and qkv.is_contiguous()
+            and k_pool.dtype == qkv.dtype == torch.float32
+        ):
+            return fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, ctx.metadata.slot_mapping), None, None
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -317,8 +323,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        write_kv(k_pool, v_pool, slot_mapping, apply_rotary(k, cos, sin), v)
-        return apply_rotary(q, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 class MLP(nn.Module):

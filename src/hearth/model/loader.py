@@ -50,14 +50,15 @@ def load_model(
     dtype: torch.dtype,
     max_positions: int,
     progress: bool = False,
-    *,
     device: torch.device | str = "cpu",
+    *,
     quantization: str = "unquantized",
     tp_rank: int = 0,
     tp_size: int = 1,
 ) -> CausalLM:
     """The model of `config` with the checkpoint's weights (this rank's shard of them), on `device`,
-    in eval mode and processed for inference (on CPU: the fast paths' weight layouts)."""
+    in eval mode and processed for inference by its quantization method (on CPU: the fast paths'
+    weight layouts; on other devices the unquantized weights stay as loaded)."""
     model_dir = Path(model_dir)
     checkpoint_files(model_dir)  # no weights: fail before allocating the model
     model = build_model(

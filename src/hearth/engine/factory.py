@@ -1,0 +1,87 @@
+"""Building an engine from its options: checkpoint, tokenizer, dtype, KV layout and size, model, scheduler.
+
+Everything that decides *what* the engine is happens here, once; `Engine` is only the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from hearth.engine.config import EngineConfig
+from hearth.engine.engine import Engine
+from hearth.engine.scheduler import Scheduler
+from hearth.engine.structured_output import StructuredOutputManager
+from hearth.engine.worker import Worker, kv_layout_for
+from hearth.kv.manager import KVCacheManager
+from hearth.kv.pool import KVPool
+from hearth.model.config import ModelConfig, ModelLoadError
+from hearth.model.device import resolve_dtype
+from hearth.model.tokenizer import Tokenizer
+
+logger = logging.getLogger("hearth.engine")
+
+GIB = 1 << 30
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    started = time.perf_counter()
+    model_config = ModelConfig.from_dir(config.model)
+    tokenizer = Tokenizer.from_dir(config.model)
+    dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype)
+    layout = kv_layout_for(config, model_config, dtype)
+    num_pages = KVPool.num_pages_for_budget(layout, int(config.kv_cache_memory_gib * GIB))
+    if num_pages < 2:
+        raise ModelLoadError(
+            f"--kv-cache-memory {config.kv_cache_memory_gib} GiB holds {num_pages} pages of "
+            f"{layout.bytes_per_page} bytes; give the KV cache more memory"
+        )
+    num_kv_tokens = num_pages * config.page_size
+    max_model_len = resolve_max_model_len(model_config, config.max_model_len, num_kv_tokens)
+    kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
+    eos_token_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
+    # The embedding may be padded past the tokenizer's ids; those columns are never sampled.
+    sample_vocab = min(model_config.vocab_size, tokenizer.vocab_size)
+    worker = Worker(
+        config, model_config, dtype, layout, num_pages, max_model_len, sample_vocab, eos_token_ids
+    )
+    engine = Engine(
+        config=config,
+        model_config=model_config,
+        tokenizer=tokenizer,
+        kv=kv,
+        scheduler=Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs),
+        worker=worker,
+        structured=StructuredOutputManager(tokenizer, eos_token_ids),
+        eos_token_ids=eos_token_ids,
+        kv_layout_tag=layout.describe(),
+        max_model_len=max_model_len,
+        num_kv_tokens=num_kv_tokens,
+        dtype=dtype,
+    )
+    logger.info(
+        "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
+        worker.device,
+        num_pages,
+        config.page_size,
+        num_kv_tokens,
+        num_pages * layout.bytes_per_page / GIB,
+        str(layout.kv_dtype).removeprefix("torch."),
+        max_model_len,
+        time.perf_counter() - started,
+    )
+    return engine
+
+
+def resolve_max_model_len(model_config: ModelConfig, requested: int | None, num_kv_tokens: int) -> int:
+    """The context limit: the model's positions (stretched by rope scaling), `--max-model-len`, and the KV cache."""
+    limit = model_config.max_position_embeddings
+    if model_config.rope_scaling.get("rope_type") in ("yarn", "dynamic", "linear", "llama3"):
+        factor = float(model_config.rope_scaling.get("factor", 1.0))
+        original = model_config.rope_scaling.get("original_max_position_embeddings", limit)
+        limit = max(limit, int(original * factor))
+    if requested is not None:
+        if requested > limit:
+            raise ModelLoadError(f"--max-model-len {requested} exceeds the model's {limit} positions")
+        limit = requested
+    return min(limit, num_kv_tokens)

@@ -1,0 +1,187 @@
+"""The worker: one rank's device, model, KV pool, attention backend and sampler. `StepInput` in, tokens out.
+
+The engine (scheduler, KV bookkeeping, grammar state) never touches a tensor; the worker never sees a
+request object. Per-request state the worker keeps (seeded random generators) is dropped when a step
+names the request in `finished_request_ids`.
+
+Rows with draft tokens: a row with k drafts has 1 + k logits positions. Each position is sampled with the
+row's parameters (penalties and min_tokens counting the drafts before it), and the row keeps the longest
+run that agrees with the drafts plus the token after it: `sampled[:j + 1]` where j is the number of
+leading positions with `sampled[i] == draft[i]`. That is exact for greedy rows and exact in distribution
+for sampled ones (the speculative-decoding issue upgrades it to rejection sampling).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import msgspec
+import torch
+
+from hearth.engine.config import EngineConfig
+from hearth.engine.outputs import TokenLogprob
+from hearth.engine.sampler import Sampler, SamplingRow, make_generator
+from hearth.engine.step_input import StepInput, StepSamplingRow
+from hearth.engine.structured_output import apply_bitmask
+from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
+from hearth.model.config import ModelConfig
+from hearth.model.loader import load_model
+from hearth.ops import cpu_kernels
+from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
+
+logger = logging.getLogger("hearth.worker")
+
+
+class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Per sampled row of the step, in `StepInput.sampling` order: the tokens it keeps (one for a row
+    without drafts, 1..1+k for a row with k), and their logprobs when any row of the step asked for them
+    (an empty list for rows that did not)."""
+
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob]] | None = None
+
+
+def resolve_device(requested: str) -> torch.device:
+    """`--device`: auto = cuda when a CUDA device is available, else cpu."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
+    return device
+
+
+def kv_layout_for(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVLayout:
+    """The KV layout a worker builds for this model and these options (the engine sizes the cache with it)."""
+    return KVLayout(
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        page_size=config.page_size,
+        kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype),
+    )
+
+
+class Worker:
+    """Owns one rank's tensors. `execute(step_input) -> StepOutput` runs one step: model forward over the
+    step's tokens, grammar masks, sampling and draft acceptance."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        layout: KVLayout,
+        num_pages: int,
+        max_model_len: int,
+        sample_vocab_size: int,
+        eos_token_ids: Iterable[int],
+        device: torch.device | None = None,
+    ) -> None:
+        self.device = device if device is not None else resolve_device(config.device)
+        self.dtype = dtype
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.resolved_num_threads)
+        self.model = load_model(
+            config.model,
+            model_config,
+            dtype,
+            max_model_len + 1,
+            progress=config.load_progress,
+            device=self.device,
+        )
+        self.kv_pool = KVPool(layout, num_pages, self.device)
+        # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
+        max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
+        backend_cls = select_backend(self.device)
+        self.attention: AttentionBackend = backend_cls(
+            device=self.device,
+            page_size=layout.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_pages_per_seq=max_pages_per_seq,
+            dtype=dtype,
+            kv_dtype=layout.kv_dtype,
+            sliding_window=model_config.sliding_window,
+        )
+        self.sampler = Sampler(sample_vocab_size, set(eos_token_ids))
+        self._generators: dict[str, torch.Generator] = {}
+        torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            # Compiled CPU kernels, loaded (or built, the first time) in the background so they never delay
+            # readiness; the torch paths serve until they are there.
+            cpu_kernels.start_build()
+        logger.info(
+            "worker on %s: attention backend %s, KV %s", self.device, self.attention.name, layout.describe()
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        for request_id in step.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if step.tag_page_ids:
+            self.kv_pool.set_page_tags(step.tag_page_ids, step.tag_values)
+        if not step.token_ids:
+            return StepOutput([])
+        logits = self.forward(step)
+        if not step.sampling:
+            return StepOutput([])
+        if step.bitmask_rows:
+            words = torch.frombuffer(bytearray(step.bitmask), dtype=torch.int32)
+            apply_bitmask(logits, step.bitmask_rows, words.view(len(step.bitmask_rows), -1))
+        return self._sample(logits, step.sampling)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """float32 logits `[len(step.logits_indices), vocab]` (the KV of the step's tokens is written)."""
+        num_tokens = len(step.token_ids)
+        ids = torch.tensor(step.token_ids + step.positions + step.logits_indices, dtype=torch.long)
+        if self.device.type == "cuda":  # pinned, so the copy is asynchronous
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        elif self.device.type != "cpu":
+            ids = ids.to(self.device)
+        metadata = self.attention.prepare(step)
+        ctx = AttentionContext(self.attention, metadata, self.kv_pool)
+        return self.model(ids[:num_tokens], ids[num_tokens : 2 * num_tokens], ctx, ids[2 * num_tokens :])
+
+    def _sample(self, logits: torch.Tensor, sampling: list[StepSamplingRow]) -> StepOutput:
+        rows: list[SamplingRow] = []
+        for row in sampling:
+            params = row.params
+            generator = None
+            if params.seed is not None:
+                generator = self._generators.get(row.request_id)
+                if generator is None:
+                    # On the CPU whatever the device: one draw per row, and the same stream on every device.
+                    generator = self._generators[row.request_id] = make_generator(params.seed)
+            prompt = row.prompt_token_ids or []
+            output = row.output_token_ids
+            drafts = row.draft_token_ids
+            for i in range(1 + len(drafts)):
+                rows.append(
+                    SamplingRow(
+                        params=params,
+                        prompt_token_ids=prompt,
+                        output_token_ids=(output + drafts[:i] if i else output) if output is not None else [],
+                        generator=generator,
+                        num_output_tokens=row.num_output_tokens + i,
+                    )
+                )
+        sampled = self.sampler(logits, rows)
+        token_lists: list[list[int]] = []
+        logprob_lists: list[list[TokenLogprob]] | None = (
+            [] if any(row.params.logprobs is not None for row in sampling) else None
+        )
+        position = 0
+        for row in sampling:
+            drafts = row.draft_token_ids
+            tokens = sampled.token_ids[position : position + 1 + len(drafts)]
+            kept = 0
+            while kept < len(drafts) and tokens[kept] == drafts[kept]:
+                kept += 1
+            token_lists.append(tokens[: kept + 1])
+            if logprob_lists is not None:
+                logprobs = sampled.logprobs[position : position + kept + 1]
+                logprob_lists.append([lp for lp in logprobs if lp is not None])
+            position += 1 + len(drafts)
+        return StepOutput(token_lists, logprob_lists)

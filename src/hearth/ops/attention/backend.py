@@ -1,0 +1,179 @@
+"""The attention backend interface: per-step metadata prepared once, per-layer forward over a paged KV pool.
+
+A step's batch is rows in cu_seqlens form: row r's query tokens are `query_start_loc[r] ..
+query_start_loc[r+1]` of the flat batch, at the last positions of a context of `seq_lens[r]` tokens,
+whose keys live in the pages `page_table[r, :ceil(seq_lens[r] / page_size)]`. The first
+`num_decode_rows` rows have exactly one query token each. New tokens' K/V go to `slot_mapping`
+(slot = page * page_size + offset).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+
+class AttentionStepInput(Protocol):
+    """The fields of `hearth.engine.step_input.StepInput` that attention reads (ops knows nothing of engines)."""
+
+    num_decode_rows: int
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    page_table: list[int]
+    page_table_width: int
+    slot_mapping: list[int]
+
+
+class PagedKVCache(Protocol):
+    """What a backend needs of the KV pool (`hearth.kv.pool.KVPool`)."""
+
+    page_size: int
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def store(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's attention metadata on the backend's device, shared by every layer.
+
+    `page_table` is the first `num_rows` rows of a buffer of fixed capacity `[max_num_seqs,
+    max_pages_per_seq]` (so its address never changes and a GPU backend can capture graphs over it);
+    only its first `page_table_width` columns belong to this step, the rest is stale (valid page ids).
+    The `*_host` lists are the same values as Python lists, for backends that loop over rows.
+    """
+
+    page_size: int
+    num_decode_rows: int
+    slot_mapping: torch.Tensor  # long [num_tokens]
+    query_start_loc: torch.Tensor  # long [num_rows + 1]
+    seq_lens: torch.Tensor  # long [num_rows]
+    page_table: torch.Tensor  # long [num_rows, max_pages_per_seq], contiguous
+    page_table_width: int
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_lens_host)
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one worker's device.
+
+    Contract:
+    - `prepare(step_input)` runs once per step, before the model: it turns the step's flat lists into
+      device tensors and builds everything every layer shares (masks, per-row page lists), writing the
+      page table into the preallocated buffer. Layers never rebuild metadata.
+    - `forward(layer_index, q, k, v, kv_pool, metadata, scale)` runs per layer: it stores the step's new
+      keys and values (`k`, `v` `[num_tokens, num_kv_heads, head_dim]`, already rotated) into the pool at
+      `metadata.slot_mapping` — unless they are None, when the caller wrote them itself (a fused
+      rotary + KV-write kernel) — then returns the attention output for `q` `[num_tokens, num_heads,
+      head_dim]`, same shape and dtype, each query attending causally to its row's context (and only
+      to the last `sliding_window` positions when that is set).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        *,
+        device: torch.device | str,
+        page_size: int,
+        max_num_seqs: int,
+        max_pages_per_seq: int,
+        dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_pages_per_seq = max_pages_per_seq
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
+        self.sliding_window = sliding_window
+        # Zero-filled, so columns no step has written yet still name a valid page.
+        self.page_table_buffer = torch.zeros(
+            max_num_seqs, max_pages_per_seq, dtype=torch.long, device=self.device
+        )
+
+    @abstractmethod
+    def prepare(self, step_input: AttentionStepInput) -> AttentionMetadata: ...
+
+    @abstractmethod
+    def forward(
+        self,
+        layer_index: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        kv_pool: PagedKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    def _common_metadata(self, step: AttentionStepInput) -> AttentionMetadata:
+        """The cu_seqlens tensors and the page table, moved to the device in one transfer."""
+        num_rows = len(step.seq_lens)
+        width = step.page_table_width
+        if num_rows > self.max_num_seqs or width > self.max_pages_per_seq:
+            raise ValueError(
+                f"a step of {num_rows} rows x {width} pages exceeds the attention buffers "
+                f"({self.max_num_seqs} x {self.max_pages_per_seq})"
+            )
+        num_tokens = len(step.slot_mapping)
+        packed = torch.tensor(
+            step.slot_mapping + step.seq_lens + step.query_start_loc + step.page_table, dtype=torch.long
+        )
+        if self.device.type == "cuda":  # pinned, so the copy is asynchronous
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        elif self.device.type != "cpu":
+            packed = packed.to(self.device)
+        ends = (num_tokens, num_tokens + num_rows, num_tokens + 2 * num_rows + 1)
+        page_table = self.page_table_buffer[:num_rows]
+        if width:
+            page_table[:, :width].copy_(packed[ends[2] :].view(num_rows, width))
+        return AttentionMetadata(
+            page_size=self.page_size,
+            num_decode_rows=step.num_decode_rows,
+            slot_mapping=packed[: ends[0]],
+            seq_lens=packed[ends[0] : ends[1]],
+            query_start_loc=packed[ends[1] : ends[2]],
+            page_table=page_table,
+            page_table_width=width,
+            query_start_loc_host=step.query_start_loc,
+            seq_lens_host=step.seq_lens,
+        )
+
+
+@dataclass
+class AttentionContext:
+    """What the model's forward gets for attention: the backend, this step's metadata, and the KV pool."""
+
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+    kv_pool: PagedKVCache
+
+
+def write_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    k_pool.index_copy_(0, slot_mapping, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, slot_mapping, v.to(v_pool.dtype))
+
+
+def gather_pages(pool: torch.Tensor, page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
+    """`[*page_ids.shape[:-1], num_pages * page_size, kv_heads, head_dim]` from a slot-addressed pool.
+
+    Whole pages at a time (`index_select` of page-sized rows): several times faster on CPU than a gather per slot.
+    """
+    num_slots, kv_heads, head_dim = pool.shape
+    rows = pool.view(num_slots // page_size, page_size * kv_heads * head_dim).index_select(
+        0, page_ids.flatten()
+    )
+    return rows.view(*page_ids.shape[:-1], page_ids.shape[-1] * page_size, kv_heads, head_dim)

@@ -1,0 +1,50 @@
+"""The CPU backend: the torch reference, with decode rows through the compiled paged decode kernel.
+
+The kernel (`hearth.ops.cpu_kernels`, float32 queries and pool) reads keys and values in place from
+their pages; until it is built, or for other dtypes, decode rows take the torch path. The choice is
+made once per step in `prepare`, so every layer of a step runs the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.ops.attention.backend import AttentionStepInput
+from hearth.ops.attention.torch_ref import TorchMetadata, TorchRefBackend
+from hearth.ops.cpu_kernels import paged_decode_attention_kernel
+
+
+class CpuBackend(TorchRefBackend):
+    name = "cpu"
+
+    def _uses_decode_kernel(self) -> bool:
+        return (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and self.kv_dtype == torch.float32
+            and paged_decode_attention_kernel() is not None
+        )
+
+    def prepare(self, step_input: AttentionStepInput) -> TorchMetadata:
+        md = super().prepare(step_input)
+        md.decode_kernel = paged_decode_attention_kernel() if md.decode_mask is None else None
+        return md
+
+    def _decode(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, md: TorchMetadata, scale: float
+    ) -> torch.Tensor:
+        kernel = md.decode_kernel
+        if kernel is None:
+            return super()._decode(q, k_pool, v_pool, md, scale)
+        # The whole-width rows of the page table buffer: contiguous, and the kernel reads only the
+        # pages a row's context covers.
+        return kernel(
+            q.contiguous(),
+            k_pool,
+            v_pool,
+            md.page_table[: md.num_decode_rows],
+            md.seq_lens[: md.num_decode_rows],
+            md.decode_first_positions,
+            md.page_size,
+            scale,
+        )

@@ -1,0 +1,146 @@
+"""Paged attention in plain torch: the reference backend, on any device (the tests' oracle, and the GPU path
+until a Triton backend exists).
+
+Decode rows (one query token each) are attended as one batch over their gathered pages; every other row
+(a prefill chunk, or a decode row with draft tokens to verify) is attended on its own, since lengths
+differ. Masks and per-row page lists are built once per step in `prepare`, on the backend's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hearth.ops.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionStepInput,
+    PagedKVCache,
+    gather_pages,
+)
+
+
+@dataclass
+class PrefillChunk:
+    """A row with several query tokens, attended on its own."""
+
+    query_start: int  # row of the chunk's first token in the flat batch
+    query_len: int
+    page_ids: torch.Tensor  # long [num_pages]: the pages holding the chunk's context, in position order
+    context_len: int
+    mask: torch.Tensor | None  # bool [query_len, context_len] (True = attend), None when plain causal
+
+
+@dataclass
+class TorchMetadata(AttentionMetadata):
+    decode_first_positions: torch.Tensor | None = None  # long [num_decode_rows]: first key attended
+    decode_mask: torch.Tensor | None = (
+        None  # bool [num_decode_rows, width * page_size], when the torch path runs
+    )
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_kernel: Callable[..., torch.Tensor] | None = None  # a compiled decode kernel a subclass picked
+
+
+class TorchRefBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._zero_positions = torch.zeros(self.max_num_seqs, dtype=torch.long, device=self.device)
+
+    def _uses_decode_kernel(self) -> bool:
+        return False
+
+    def prepare(self, step_input: AttentionStepInput) -> TorchMetadata:
+        common = self._common_metadata(step_input)
+        md = TorchMetadata(**vars(common))
+        n = md.num_decode_rows
+        if n:
+            lens = md.seq_lens[:n]
+            md.decode_first_positions = (
+                (lens - self.sliding_window).clamp_(min=0)
+                if self.sliding_window is not None
+                else self._zero_positions[:n]
+            )
+            if not self._uses_decode_kernel():
+                # Key positions [first, context_len) of each row are attended; the rest is padding or out of the window.
+                positions = torch.arange(md.page_table_width * self.page_size, device=self.device)
+                md.decode_mask = (positions[None, :] < lens[:, None]) & (
+                    positions[None, :] >= md.decode_first_positions[:, None]
+                )
+        starts = md.query_start_loc_host
+        for row in range(n, md.num_rows):
+            query_start, query_len = starts[row], starts[row + 1] - starts[row]
+            end = md.seq_lens_host[row]
+            start = end - query_len
+            mask = None
+            window_bites = self.sliding_window is not None and end > self.sliding_window
+            if start > 0 or window_bites:
+                query_pos = torch.arange(start, end, device=self.device)[:, None]
+                key_pos = torch.arange(end, device=self.device)[None, :]
+                mask = key_pos <= query_pos
+                if window_bites:
+                    mask &= key_pos > query_pos - self.sliding_window
+            page_ids = md.page_table[row, : -(-end // self.page_size)]
+            md.prefills.append(PrefillChunk(query_start, query_len, page_ids, end, mask))
+        return md
+
+    def forward(
+        self,
+        layer_index: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        kv_pool: PagedKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, TorchMetadata)
+        if k is not None and v is not None:
+            kv_pool.store(layer_index, metadata.slot_mapping, k, v)
+        k_pool, v_pool = kv_pool.layer(layer_index)
+        if metadata.num_decode_rows == q.shape[0]:  # a pure decode step: no copy into an output buffer
+            return self._decode(q, k_pool, v_pool, metadata, scale)
+        out = torch.empty_like(q)
+        n = metadata.num_decode_rows
+        if n:
+            out[:n] = self._decode(q[:n], k_pool, v_pool, metadata, scale)
+        page_size = metadata.page_size
+        enable_gqa = q.shape[1] != k_pool.shape[1]
+        for chunk in metadata.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            keys = gather_pages(k_pool, chunk.page_ids, page_size)[: chunk.context_len].to(q.dtype)
+            values = gather_pages(v_pool, chunk.page_ids, page_size)[: chunk.context_len].to(q.dtype)
+            attended = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=chunk.mask,
+                is_causal=chunk.mask is None,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+            out[rows] = attended.squeeze(0).transpose(0, 1)
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, md: TorchMetadata, scale: float
+    ) -> torch.Tensor:
+        """One query token per row: gather each row's pages, then one masked SDPA over the batch."""
+        assert md.decode_mask is not None
+        table = md.page_table[: md.num_decode_rows, : md.page_table_width]
+        keys = gather_pages(k_pool, table, md.page_size).to(q.dtype).transpose(1, 2)
+        values = gather_pages(v_pool, table, md.page_size).to(q.dtype).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            keys,
+            values,
+            attn_mask=md.decode_mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=q.shape[1] != k_pool.shape[1],
+        )
+        return attended.squeeze(2)

@@ -1,0 +1,134 @@
+"""Attention backends: the registry, and every backend against attention computed slot by slot in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hearth.engine.step_input import StepInput
+from hearth.kv.pool import KVLayout, KVPool
+from hearth.ops import cpu_kernels
+from hearth.ops.attention import AttentionBackend, available_backends, get_backend, select_backend
+from hearth.ops.attention.cpu import CpuBackend
+from hearth.ops.attention.torch_ref import TorchRefBackend
+
+PAGE_SIZE = 4
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def test_registry_selects_by_device_and_honours_the_override(monkeypatch):
+    assert {"cpu", "torch_ref"} <= set(available_backends())
+    monkeypatch.delenv("HEARTH_ATTENTION_BACKEND", raising=False)
+    assert select_backend("cpu") is CpuBackend
+    assert select_backend("cuda") is TorchRefBackend
+    assert select_backend("meta") is TorchRefBackend
+    monkeypatch.setenv("HEARTH_ATTENTION_BACKEND", "torch_ref")
+    assert select_backend("cpu") is TorchRefBackend
+    assert select_backend("cpu", override="cpu") is CpuBackend
+    with pytest.raises(ValueError, match="unknown attention backend 'triton'.*registered: cpu, torch_ref"):
+        get_backend("triton")
+
+
+def make_step(rows: list[tuple[int, int]], page_tables: list[list[int]]) -> StepInput:
+    """rows: (context_len after the step, query tokens); decode rows (1 token) first."""
+    width = max(len(pages) for pages in page_tables)
+    query_start_loc, slots, positions = [0], [], []
+    for (context_len, query_len), pages in zip(rows, page_tables):
+        for position in range(context_len - query_len, context_len):
+            positions.append(position)
+            slots.append(pages[position // PAGE_SIZE] * PAGE_SIZE + position % PAGE_SIZE)
+        query_start_loc.append(query_start_loc[-1] + query_len)
+    num_decode_rows = 0
+    while num_decode_rows < len(rows) and rows[num_decode_rows][1] == 1:
+        num_decode_rows += 1
+    return StepInput(
+        token_ids=[0] * len(slots),
+        positions=positions,
+        query_start_loc=query_start_loc,
+        seq_lens=[context_len for context_len, _ in rows],
+        num_decode_rows=num_decode_rows,
+        page_table=[p for pages in page_tables for p in pages + [0] * (width - len(pages))],
+        page_table_width=width,
+        slot_mapping=slots,
+        logits_indices=[],
+        sampling=[],
+    )
+
+
+def reference_attention(q, pool: KVPool, step: StepInput, scale: float, window: int | None) -> torch.Tensor:
+    """Per query token: softmax over its row's keys at positions (p - window, p], read slot by slot."""
+    k_pool, v_pool = (t.double() for t in pool.layer(0))
+    width = step.page_table_width
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row in range(len(step.seq_lens)):
+        pages = step.page_table[row * width : (row + 1) * width]
+        for t in range(step.query_start_loc[row], step.query_start_loc[row + 1]):
+            p = step.positions[t]
+            first = 0 if window is None else max(0, p - window + 1)
+            slots = [pages[k // PAGE_SIZE] * PAGE_SIZE + k % PAGE_SIZE for k in range(first, p + 1)]
+            for head in range(HEADS):
+                kv_head = head // (HEADS // KV_HEADS)
+                keys, values = k_pool[slots, kv_head], v_pool[slots, kv_head]
+                weights = torch.softmax(keys @ q[t, head].double() * scale, dim=0)
+                out[t, head] = weights @ values
+    return out
+
+
+MIXED_ROWS = [(9, 1), (3, 1), (14, 1), (7, 7), (13, 5), (6, 2)]  # decodes, a whole prompt, chunks
+MIXED_PAGES = [[5, 2, 11], [8], [0, 14, 3, 9], [4, 15], [1, 6, 12, 13], [7, 10]]
+
+
+@pytest.mark.parametrize("backend_cls", [TorchRefBackend, CpuBackend])
+@pytest.mark.parametrize("window", [None, 5])
+def test_backend_stores_new_kv_and_attends_like_the_reference(backend_cls, window):
+    cpu_kernels.paged_decode_attention_kernel(
+        wait=True
+    )  # the CPU backend's decode rows take the kernel if it builds
+    torch.manual_seed(0)
+    pool = KVPool(KVLayout(1, KV_HEADS, HEAD_DIM, PAGE_SIZE, torch.float32), 16)
+    pool.storage.normal_()
+    step = make_step(MIXED_ROWS, MIXED_PAGES)
+    num_tokens = len(step.token_ids)
+    q = torch.randn(num_tokens, HEADS, HEAD_DIM)
+    k, v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM), torch.randn(num_tokens, KV_HEADS, HEAD_DIM)
+    backend: AttentionBackend = backend_cls(
+        device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6, sliding_window=window
+    )
+    metadata = backend.prepare(step)
+    out = backend.forward(0, q, k, v, pool, metadata, HEAD_DIM**-0.5)
+    k_pool, v_pool = pool.layer(0)
+    slots = torch.tensor(step.slot_mapping)
+    torch.testing.assert_close(k_pool[slots], k, rtol=0, atol=0)
+    torch.testing.assert_close(v_pool[slots], v, rtol=0, atol=0)
+    expected = reference_attention(q, pool, step, HEAD_DIM**-0.5, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prepare_writes_the_page_table_into_one_fixed_buffer():
+    backend = TorchRefBackend(device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6)
+    first = backend.prepare(make_step(MIXED_ROWS, MIXED_PAGES))
+    second = backend.prepare(make_step([(5, 1), (2, 1)], [[3, 4], [9]]))
+    assert first.page_table.data_ptr() == second.page_table.data_ptr() == backend.page_table_buffer.data_ptr()
+    assert second.page_table.shape == (2, 6) and second.page_table.is_contiguous()
+    assert second.page_table[:, :2].tolist() == [[3, 4], [9, 0]]
+    assert second.decode_mask.shape == (2, 2 * PAGE_SIZE)
+    with pytest.raises(ValueError, match="exceeds the attention buffers"):
+        backend.prepare(make_step([(40, 1)], [list(range(10))]))
+
+
+def test_torch_reference_keeps_every_tensor_on_its_device():
+    """On the meta device any tensor created on the CPU by mistake meets a meta one and raises."""
+    pool = KVPool(KVLayout(1, KV_HEADS, HEAD_DIM, PAGE_SIZE, torch.float32), 16, device="meta")
+    backend = TorchRefBackend(
+        device="meta", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6, sliding_window=5
+    )
+    step = make_step(MIXED_ROWS, MIXED_PAGES)
+    num_tokens = len(step.token_ids)
+    q = torch.empty(num_tokens, HEADS, HEAD_DIM, device="meta")
+    k = torch.empty(num_tokens, KV_HEADS, HEAD_DIM, device="meta")
+    metadata = backend.prepare(step)
+    assert all(
+        t.device.type == "meta" for t in (metadata.slot_mapping, metadata.page_table, metadata.decode_mask)
+    )
+    out = backend.forward(0, q, k, k, pool, metadata, 0.5)
+    assert out.device.type == "meta" and out.shape == q.shape
