@@ -294,14 +294,14 @@ class AsyncEngine:
             return
         self.dead = f"the engine core process {_describe_exit(code)}"
         logger.error("%s; failing every request", self.dead)
+        if self._on_dead is not None:
+            self._on_dead(self.dead)
         loop = self._loop
         if loop is not None:
             try:
                 loop.call_soon_threadsafe(self._fail_all)
             except RuntimeError:  # that loop is closed: nobody waits on it
                 pass
-        if self._on_dead is not None:
-            self._on_dead(self.dead)
 
     def _fail_all(self) -> None:
         self._on_readable()  # deliver what the core sent before it died

@@ -77,7 +77,7 @@ class ShutdownCore(msgspec.Struct, tag=True):
     reason: str = "server shutting down"
 
 
-class CoreReady(msgspec.Struct, tag=True):
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
     """The core loaded the model and takes requests; what the API process needs to know of it."""
 
     max_model_len: int
@@ -86,7 +86,7 @@ class CoreReady(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
-class CoreFailed(msgspec.Struct, tag=True):
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
     """The core could not start (the model did not load); it exits 1 after sending this."""
 
     error: str
