@@ -18,6 +18,7 @@ import torch
 
 from hearth import LLM, SamplingParams
 from hearth.engine.engine import Engine
+from hearth.engine.messages import EngineRequest
 from hearth.model.layers import Linear
 from hearth.ops import cpu_kernels
 
@@ -69,9 +70,10 @@ def main() -> None:
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     max_tokens = 2 * args.rounds * args.steps + 8
-    for _ in range(args.batch):
+    for index in range(args.batch):
         prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(EngineRequest(f"bench-{index}", prompt, params))
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):

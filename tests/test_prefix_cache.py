@@ -13,6 +13,7 @@ class Holder:
     page_generations: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     cached_page_count: int = 0
+    page_keys: list[bytes] = field(default_factory=list)
 
     @property
     def all_token_ids(self):
@@ -101,3 +102,71 @@ def test_disabled_prefix_caching_never_matches():
     manager = KVCacheManager(num_pages=8, page_size=4, enable_prefix_caching=False)
     compute(manager, Holder(list(range(10))))
     assert manager.match_prefix(Holder(list(range(10))), 10) == 0
+
+
+def test_page_keys_are_hashed_once_per_page_as_a_request_grows(monkeypatch):
+    import hearth.kv.prefix_keys as prefix_keys
+
+    calls = []
+    real = prefix_keys.page_key
+
+    def counting(parent: bytes, tokens: list[int]) -> bytes:
+        calls.append(1)
+        return real(parent, tokens)
+
+    monkeypatch.setattr(prefix_keys, "page_key", counting)
+    manager = KVCacheManager(num_pages=64, page_size=4)
+    holder = Holder(list(range(10)))
+    compute(manager, holder)  # 2 full pages
+    assert len(calls) == 2
+    for token in range(100, 140):  # decode 40 tokens, one page fills every 4
+        holder.tokens.append(token)
+        assert manager.allocate_slots(holder, 1)
+        holder.num_computed_tokens += 1
+        manager.cache_full_pages(holder)
+    assert len(calls) == 50 // 4 == len(holder.page_keys)
+    manager.free(holder)  # e.g. preempted: the keys describe tokens, not pages, so they are kept
+    assert manager.match_prefix(holder, len(holder.tokens)) == 48
+    assert len(calls) == 12
+    assert holder.page_keys == page_keys(holder.root, holder.tokens, 4)
+
+
+def test_truncate_frees_pages_past_the_cut():
+    manager = KVCacheManager(num_pages=8, page_size=4)
+    holder = Holder(list(range(14)))
+    assert manager.allocate_slots(holder, 14)
+    holder.num_computed_tokens = 14
+    tail = holder.page_ids[2:]
+    manager.truncate(holder, 7)
+    assert len(holder.page_ids) == len(holder.page_generations) == 2 and holder.num_computed_tokens == 7
+    assert all(manager.allocator.ref_counts[p] == 0 for p in tail)
+    assert manager.allocator.num_free_pages == 6
+    manager.truncate(holder, 8)  # nothing past the cut: a no-op
+    assert len(holder.page_ids) == 2 and holder.num_computed_tokens == 7
+    manager.free(holder)
+    assert all(count == 0 for count in manager.allocator.ref_counts)
+
+
+def test_truncate_never_leaves_a_cached_page_to_be_rewritten():
+    manager = KVCacheManager(num_pages=8, page_size=4)
+    holder = Holder(list(range(12)))
+    compute(manager, holder)  # 3 cached pages
+    pages = list(holder.page_ids)
+    manager.truncate(holder, 6)  # inside the cached second page: the cut moves to its start
+    assert holder.page_ids == pages[:1] and holder.num_computed_tokens == 4 and holder.cached_page_count == 1
+    # The dropped pages still hold their full page of tokens, so they stay cached (parked).
+    assert manager.prefix_cache.num_parked_pages == 2
+    assert manager.match_prefix(Holder(list(range(13))), 13) == 12
+    manager.free(holder)
+
+
+def test_router_keys_use_the_engine_chain_under_their_own_root():
+    # The router's index keys (router/prefix_index.py) are the same chain over token ids, salted by
+    # model id and tenant like the engine's, but with "router" where the engine puts its KV layout:
+    # the router knows neither each worker's layout nor, for chat, the engine's token ids.
+    from hearth.router.prefix_index import TokenPageKeyer
+
+    tokens = list(range(9))
+    router = TokenPageKeyer("m", 4).keys("", tokens, "tenant")
+    assert router == page_keys(root_key("m", "router", "tenant"), tokens, 4)
+    assert router != page_keys(root_key("m", "torch.bfloat16/p4/h2x8/l2", "tenant"), tokens, 4)

@@ -19,14 +19,8 @@ def make_request(index: int, prompt_len: int, max_tokens: int = 8) -> Request:
 
 
 def complete_step(scheduler: Scheduler, out, next_token: int = 7) -> None:
-    """What the engine does after a forward: advance progress, append a token where one was sampled."""
-    for item in out.scheduled:
-        samples = item.samples
-        item.request.num_computed_tokens += item.num_new_tokens
-        scheduler.kv.cache_full_pages(item.request)
-        if samples:
-            item.request.token_ids.append(next_token)
-            item.request.output_token_ids.append(next_token)
+    """What the engine does after a forward: one token for every row that samples."""
+    scheduler.update(out.scheduled, [[next_token] if item.samples else [] for item in out.scheduled])
 
 
 def test_chunked_prefill_respects_token_budget_and_decodes_first():

@@ -19,6 +19,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from hearth.engine.llm import LLM
+from hearth.engine.messages import EngineRequest
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.structured_output import StructuredOutput, StructuredOutputManager
 from hearth.model.tokenizer import Tokenizer
@@ -192,15 +193,16 @@ def test_preemption_keeps_the_grammar_state(model_dir: Path, llm: LLM) -> None:
 def test_aborting_a_constrained_request_frees_everything(llm: LLM) -> None:
     engine = llm.engine
     spec = StructuredOutput.json_object()
-    request_id = engine.add_request(llm.tokenizer.encode("Abort me"), _sampled(spec, 1, 200))
+    request_id = "abort-me"
+    engine.add_request(EngineRequest(request_id, llm.tokenizer.encode("Abort me"), _sampled(spec, 1, 200)))
     for _ in range(5):
         engine.step()
-    request = engine.get_request(request_id)
-    assert request is not None and request.grammar is not None and request.page_ids
-    output = engine.abort(request_id)
-    assert output is not None and output.finish_reason == "abort"
+    request = engine._requests[request_id]
+    assert request.grammar is not None and request.page_ids
+    [output] = engine.abort([request_id])
+    assert output.finish_reason == "abort"
     assert request.grammar is None
-    assert engine.get_request(request_id) is None
+    assert request_id not in engine._requests
     assert engine.stats().kv_pages_used == 0
     assert all(count == 0 for count in engine.kv.allocator.ref_counts)
 

@@ -1,172 +1,108 @@
-"""The engine: load a checkpoint, own the KV cache and scheduler, and step.
+"""The engine core: requests in, token ids out; `step()` is schedule -> run -> process outputs.
 
-`step()` is three visible calls: schedule -> run -> process outputs. Everything else here is
-request bookkeeping around it (adding, aborting, finishing).
+Built by `hearth.engine.factory.build_engine`. It owns the bookkeeping (scheduler, KV cache manager,
+grammars); tensors live in the worker. It never sees text: detokenization and stop strings are the
+`OutputProcessor`'s, on the client's side (`LLM`, or the API process of `hearth serve`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from itertools import count
 
 import torch
 
 from hearth.engine.config import EngineConfig
-from hearth.engine.detokenizer import IncrementalDetokenizer
-from hearth.engine.outputs import RequestOutput, TokenLogprob
+from hearth.engine.messages import CoreOutput, EngineRequest, EngineStats
+from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.request import Request
 from hearth.engine.runner import ModelRunner
 from hearth.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
-from hearth.engine.stop_checker import StopStringMatcher
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hearth.kv.manager import KVCacheManager
-from hearth.kv.pool import KVLayout, KVPool
 from hearth.kv.prefix_keys import root_key
-from hearth.model.config import ModelConfig, ModelLoadError
-from hearth.model.device import resolve_dtype
-from hearth.model.loader import load_model
+from hearth.model.config import ModelConfig
 from hearth.model.tokenizer import Tokenizer
-from hearth.ops import cpu_kernels
 
 logger = logging.getLogger("hearth.engine")
 
-GIB = 1 << 30
-
 
 @dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_pages_used: int
-    kv_pages_total: int
-    prefix_cache_queries_tokens: int
-    prefix_cache_hit_tokens: int
-    prompt_tokens_total: int
-    cached_tokens_total: int
-    generation_tokens_total: int
-    num_preemptions_total: int
+class StepOutput:
+    """The run's result: for each sampling row of the batch, in order, its accepted tokens and their logprobs."""
+
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob] | None]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        started = time.perf_counter()
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer,
+        kv: KVCacheManager,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        sampler: Sampler,
+        structured: StructuredOutputManager,
+        eos_token_ids: set[int],
+        kv_layout_tag: str,
+        max_model_len: int,
+        num_kv_tokens: int,
+        dtype: torch.dtype,
+    ) -> None:
         self.config = config
-        torch.set_num_threads(config.resolved_num_threads)
-        self.model_config = ModelConfig.from_dir(config.model)
-        self.tokenizer = Tokenizer.from_dir(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype)
-        layout = KVLayout(
-            num_layers=self.model_config.num_layers,
-            num_kv_heads=self.model_config.num_kv_heads,
-            head_dim=self.model_config.head_dim,
-            page_size=config.page_size,
-            dtype=self.dtype,
-        )
-        num_pages = KVPool.num_pages_for_budget(layout, int(config.kv_cache_memory_gib * GIB))
-        if num_pages < 2:
-            raise ModelLoadError(
-                f"--kv-cache-memory {config.kv_cache_memory_gib} GiB holds {num_pages} pages of "
-                f"{layout.bytes_per_page} bytes; give the KV cache more memory"
-            )
-        self.num_kv_tokens = num_pages * config.page_size
-        self.max_model_len = self._max_model_len(self.num_kv_tokens)
-        self.model = load_model(
-            config.model, self.model_config, self.dtype, self.max_model_len + 1, progress=config.load_progress
-        )
-        self.pool = KVPool(layout, num_pages)
-        self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.pool, self.model_config.sliding_window)
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
-        # The embedding may be padded past the tokenizer's ids; those columns are never sampled.
-        sample_vocab = min(self.model_config.vocab_size, self.tokenizer.vocab_size)
-        self.sampler = Sampler(sample_vocab, self.eos_token_ids)
-        self.structured = StructuredOutputManager(self.tokenizer, self.eos_token_ids)
-        torch.manual_seed(config.seed)
-        self._kv_layout_tag = layout.describe()
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.kv = kv
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.structured = structured
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.num_kv_tokens = num_kv_tokens
+        self.dtype = dtype  # what the model computes in (reported by benchmarks)
+        self._kv_layout_tag = kv_layout_tag
         self._requests: dict[str, Request] = {}
         self._arrivals = count()
-        self._ids = count()
         self._totals = {"prompt": 0, "cached": 0, "generated": 0, "preempted": 0}
-        # Compiled CPU attention, loaded (or built, the first time) in the background once the model is
-        # in place, so it never delays readiness; the torch path serves until it is there.
-        cpu_kernels.start_build()
-        logger.info(
-            "KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
-            num_pages,
-            config.page_size,
-            self.num_kv_tokens,
-            num_pages * layout.bytes_per_page / GIB,
-            str(self.dtype).removeprefix("torch."),
-            self.max_model_len,
-            time.perf_counter() - started,
-        )
 
-    def _max_model_len(self, num_kv_tokens: int) -> int:
-        limit = self.model_config.max_position_embeddings
-        if self.model_config.rope_scaling.get("rope_type") in ("yarn", "dynamic", "linear", "llama3"):
-            factor = float(self.model_config.rope_scaling.get("factor", 1.0))
-            original = self.model_config.rope_scaling.get("original_max_position_embeddings", limit)
-            limit = max(limit, int(original * factor))
-        if self.config.max_model_len is not None:
-            if self.config.max_model_len > limit:
-                raise ModelLoadError(
-                    f"--max-model-len {self.config.max_model_len} exceeds the model's {limit} positions"
-                )
-            limit = self.config.max_model_len
-        return min(limit, num_kv_tokens)
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-    ) -> str:
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise InvalidParamError("prompt", "the prompt is empty")
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_token_ids):
-            raise InvalidParamError(
-                "prompt", f"prompt token ids must be in [0, {self.model_config.vocab_size})"
-            )
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidParamError(
-                "prompt",
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} "
-                "tokens including the answer",
-            )
-        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidParamError(
-                "max_tokens",
-                f"max_tokens {params.max_tokens} plus the prompt's {len(prompt_token_ids)} tokens exceeds the "
-                f"context of {self.max_model_len} tokens",
-            )
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+    def add_request(self, request: EngineRequest) -> None:
+        """Validates and queues a request; raises InvalidParamError (nothing is kept) if it cannot run."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        prompt, params = request.prompt_token_ids, request.params
+        check_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
+        self._requests[request.request_id] = state = Request(
+            request_id=request.request_id,
+            prompt_token_ids=list(prompt),
             params=params,
-            prefix_root=root_key(self.config.model_name, self._kv_layout_tag, cache_salt),
+            prefix_root=root_key(self.config.model_name, self._kv_layout_tag, request.cache_salt),
             arrival_index=next(self._arrivals),
             max_model_len=self.max_model_len,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
-            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output)
-            if params.stop
-            else None,
             generator=make_generator(params.seed) if params.seed is not None else None,
             grammar=self._new_grammar(params),
         )
-        self._requests[request_id] = request
-        self.scheduler.add(request)
-        return request_id
+        self.scheduler.add(state)
 
     def _new_grammar(self, params: SamplingParams) -> GrammarMatcher | None:
         if params.structured_output is None:
@@ -176,134 +112,124 @@ class Engine:
         except ValueError as exc:
             raise InvalidParamError("response_format", str(exc)) from exc
 
-    def abort(self, request_id: str, reason: str = "aborted") -> RequestOutput | None:
-        request = self._requests.get(request_id)
-        if request is None or request.finished:
-            return None
-        request.finish_reason = "abort"
-        request.error = reason
-        return self._finish(request, [], "")
-
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+    def abort(self, request_ids: list[str], reason: str = "aborted") -> list[CoreOutput]:
+        """Ends the named requests wherever they are and frees their pages; unknown ids are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None:
+                outputs.append(self._finish(request, [], None, "abort", error=reason))
+        return outputs
 
     # ---- the step -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[CoreOutput]:
         scheduled = self.scheduler.schedule()
         self._totals["preempted"] += len(scheduled.preempted)
         if not scheduled.scheduled:
             return []
-        logits = self.runner.execute(scheduled.scheduled)
-        return self._process_outputs(scheduled.scheduled, logits)
+        step_output = self._run(scheduled.scheduled)
+        return self._process_outputs(scheduled.scheduled, step_output)
 
-    def _process_outputs(self, batch: list[ScheduledRequest], logits: torch.Tensor) -> list[RequestOutput]:
-        sampling = [item for item in batch if item.samples]
-        for item in batch:
-            item.request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_pages(item.request)
+    def _run(self, batch: list[ScheduledRequest]) -> StepOutput:
+        logits = self.runner.execute(batch)
+        sampling = [item.request for item in batch if item.samples]
         if not sampling:
-            return []
+            return StepOutput([], [])
         rows = [
             SamplingRow(
-                params=item.request.params,
-                prompt_token_ids=item.request.prompt_token_ids,
-                output_token_ids=item.request.output_token_ids,
-                generator=item.request.generator,
+                params=request.params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                generator=request.generator,
             )
-            for item in sampling
+            for request in sampling
         ]
-        self.structured.mask_logits(logits, [item.request.grammar for item in sampling])
+        self.structured.mask_logits(logits, [request.grammar for request in sampling])
         sampled: SamplerOutput = self.sampler(logits, rows)
-        outputs = []
-        for item, token_id, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
-            output = self._append_token(item.request, token_id, logprob)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        return StepOutput(
+            [[token_id] for token_id in sampled.token_ids],
+            [[logprob] if logprob is not None else None for logprob in sampled.logprobs],
+        )
 
-    def _append_token(
-        self, request: Request, token_id: int, logprob: TokenLogprob | None
-    ) -> RequestOutput | None:
+    def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[CoreOutput]:
+        """Cut each row's tokens where the request ends, advance the scheduler, and report."""
+        kept_tokens: list[list[int]] = []
+        endings: list[tuple[Request, list[int], list[TokenLogprob] | None, FinishReason | None]] = []
+        sampled = iter(zip(step_output.sampled_token_ids, step_output.logprobs))
+        for item in batch:
+            if not item.samples:
+                kept_tokens.append([])
+                continue
+            tokens, logprobs = next(sampled)
+            num_kept, finish_reason = self._check_stop(item.request, tokens)
+            kept_tokens.append(tokens[:num_kept])
+            endings.append(
+                (item.request, tokens[:num_kept], logprobs[:num_kept] if logprobs else None, finish_reason)
+            )
+        self.scheduler.update(batch, kept_tokens)
+        return [
+            self._output(request, tokens, logprobs)
+            if finish_reason is None
+            else self._finish(request, tokens, logprobs, finish_reason, error=request.error)
+            for request, tokens, logprobs, finish_reason in endings
+        ]
+
+    def _check_stop(self, request: Request, tokens: list[int]) -> tuple[int, FinishReason | None]:
+        """How many of `tokens` the request keeps, and why it ends (None: it goes on)."""
         params = request.params
-        request.token_ids.append(token_id)
-        request.output_token_ids.append(token_id)
-        new_logprobs = [logprob] if logprob is not None else None
-        if request.logprobs is not None and logprob is not None:
-            request.logprobs.append(logprob)
         num_output = len(request.output_token_ids)
-        if request.grammar is not None and not request.grammar.accept(token_id):
-            request.finish_reason, request.error = "error", f"structured output: {request.grammar.error}"
-            return self._finish(request, [], "")
-        stopped_by_token = False
-        if token_id in params.stop_token_ids and num_output > params.min_tokens:
-            request.finish_reason, request.stop_reason, stopped_by_token = "stop", token_id, True
-        elif token_id in self.eos_token_ids and not params.ignore_eos and num_output > params.min_tokens:
-            request.finish_reason, stopped_by_token = "stop", True
-        text = ""
-        if not stopped_by_token or params.include_stop_str_in_output:
-            text = request.detokenizer.add([token_id]) if request.detokenizer else ""
-        if request.stop_matcher is not None:
-            text, matched = request.stop_matcher.feed(text)
-            if matched is not None and request.finish_reason is None:
-                request.finish_reason, request.stop_reason = "stop", matched
-        if request.finish_reason is None and request.grammar is not None and request.grammar.is_terminated:
-            request.finish_reason = "stop"  # the JSON is complete; only EOS could follow
-        if request.finish_reason is None and num_output >= request.max_output_tokens:
-            request.finish_reason = "length"
-        if request.finish_reason is not None:
-            return self._finish(request, [token_id], text, new_logprobs)
-        request.output_text += text
-        return RequestOutput(
+        for index, token_id in enumerate(tokens):
+            num_output += 1
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                request.error = f"structured output: {request.grammar.error}"
+                return index, "error"
+            past_min = num_output > params.min_tokens
+            if past_min and token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return index + 1, "stop"
+            if past_min and token_id in self.eos_token_ids and not params.ignore_eos:
+                return index + 1, "stop"
+            if request.grammar is not None and request.grammar.is_terminated:
+                return index + 1, "stop"  # the JSON is complete; only EOS could follow
+            if num_output >= request.max_output_tokens:
+                return index + 1, "length"
+        return len(tokens), None
+
+    def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> CoreOutput:
+        return CoreOutput(
             request_id=request.request_id,
-            new_token_ids=[token_id],
-            new_text=text,
-            prompt_tokens=request.num_prompt_tokens,
-            cached_tokens=request.cached_tokens or 0,
-            completion_tokens=num_output,
-            new_logprobs=new_logprobs,
+            new_token_ids=tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.cached_tokens or 0,
+            new_logprobs=logprobs,
         )
 
     def _finish(
         self,
         request: Request,
-        new_token_ids: list[int],
-        text: str,
-        new_logprobs: list[TokenLogprob] | None = None,
-    ) -> RequestOutput:
-        if not (request.finish_reason == "stop" and isinstance(request.stop_reason, str)):
-            # Release what was held back: an incomplete character, or a possible start of a stop string.
-            tail = request.detokenizer.flush() if request.detokenizer is not None else ""
-            if request.stop_matcher is not None:
-                emitted, matched = request.stop_matcher.feed(tail)
-                text += emitted if matched is not None else emitted + request.stop_matcher.flush()
-                if matched is not None and request.finish_reason != "abort":
-                    request.finish_reason, request.stop_reason = "stop", matched
-            else:
-                text += tail
-        request.output_text += text
+        tokens: list[int],
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: FinishReason,
+        error: str | None = None,
+    ) -> CoreOutput:
+        output = self._output(request, tokens, logprobs)
+        output.finish_reason = finish_reason
+        output.stop_reason = request.stop_reason
+        output.error = error
+        output.ends_with_stop_token = (
+            finish_reason == "stop"
+            and bool(tokens)
+            and (tokens[-1] == request.stop_reason or tokens[-1] in self.eos_token_ids)
+        )
+        request.finish_reason = finish_reason
         request.grammar = None
         self.scheduler.finish(request)
         del self._requests[request.request_id]
         self._totals["prompt"] += request.num_prompt_tokens
         self._totals["cached"] += request.cached_tokens or 0
         self._totals["generated"] += len(request.output_token_ids)
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            new_text=text,
-            prompt_tokens=request.num_prompt_tokens,
-            cached_tokens=request.cached_tokens or 0,
-            completion_tokens=len(request.output_token_ids),
-            new_logprobs=new_logprobs,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            error=request.error,
-        )
+        return output
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -317,4 +243,27 @@ class Engine:
             cached_tokens_total=self._totals["cached"],
             generation_tokens_total=self._totals["generated"],
             num_preemptions_total=self._totals["preempted"],
+        )
+
+
+def check_request(
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> None:
+    """The checks a request must pass before it is queued; raises InvalidParamError naming the parameter.
+    Cheap and pure, so an API process can run them too and save a round trip."""
+    if not prompt_token_ids:
+        raise InvalidParamError("prompt", "the prompt is empty")
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        raise InvalidParamError("prompt", f"prompt token ids must be in [0, {vocab_size})")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidParamError(
+            "prompt",
+            f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {max_model_len} "
+            "tokens including the answer",
+        )
+    if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > max_model_len:
+        raise InvalidParamError(
+            "max_tokens",
+            f"max_tokens {params.max_tokens} plus the prompt's {len(prompt_token_ids)} tokens exceeds the "
+            f"context of {max_model_len} tokens",
         )

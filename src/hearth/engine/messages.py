@@ -42,6 +42,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
     error: str | None = None
     rejected_param: str | None = None
+    ends_with_stop_token: bool = False  # the last token is EOS or a stop token: counted, not shown as text
 
     @property
     def finished(self) -> bool:

@@ -1,4 +1,5 @@
-"""A request's state inside the engine: tokens, pages held, progress, and how it ended."""
+"""A request's state inside the engine core: tokens, pages held, progress, and how it ended (no text: see
+`hearth.engine.output_processor`)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hearth.engine.detokenizer import IncrementalDetokenizer
-from hearth.engine.outputs import FinishReason, TokenLogprob
+from hearth.engine.outputs import FinishReason
 from hearth.engine.sampling_params import SamplingParams
-from hearth.engine.stop_checker import StopStringMatcher
 from hearth.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # pages allocated, KV arriving from a peer (PD) or a lower cache tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -28,32 +28,36 @@ class Request:
     prefix_root: bytes
     arrival_index: int
     max_model_len: int
-    detokenizer: IncrementalDetokenizer | None = None
-    stop_matcher: StopStringMatcher | None = None
     generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # set when the answer is constrained (structured output)
 
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the KV cache holds
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    # Tokens proposed by a drafter (speculative decoding) before `Scheduler.schedule()`; the scheduler
+    # verifies them with the request's next token when budget and pages allow; `update()` clears them.
+    draft_token_ids: list[int] = field(default_factory=list)
     # KV state (see hearth.kv.manager.PageHolder)
     page_ids: list[int] = field(default_factory=list)
     page_generations: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     cached_page_count: int = 0
+    # Prefix keys of the leading full pages of token_ids, extended as pages fill. Tokens are only ever
+    # appended, so the keys stay valid across rollback and preemption and are never recomputed.
+    page_keys: list[bytes] = field(default_factory=list)
+    # KV from elsewhere (see Scheduler.add / kv_arrived)
+    num_remote_kv_tokens: int = 0  # leading tokens whose KV a peer promised to send (PD decode side)
+    num_pending_kv_tokens: int = 0  # while WAITING_FOR_KV: tokens past num_computed_tokens being loaded
+    num_pending_tier_tokens: int = 0  # ...the leading ones of them from a lower cache tier (count as cached)
     # reporting
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
-    logprobs: list[TokenLogprob] | None = None
-    output_text: str = ""
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
+    stop_reason: int | None = None  # the stop token id that ended it (stop strings end it on the API side)
     error: str | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.logprobs is not None:
-            self.logprobs = []
 
     @property
     def all_token_ids(self) -> list[int]:

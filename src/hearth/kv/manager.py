@@ -3,23 +3,35 @@
 Plain Python over the allocator and the prefix cache; the scheduler is its only caller. A request
 is described by `PageHolder` (its page list and token counts) so this layer knows nothing of the
 engine's request objects.
+
+Two hooks let a lower cache tier (host RAM, disk, a shared store) sit under the device cache:
+`on_evict(key, page_id)` runs before a cached page is evicted and reused, so the tier can copy it
+out first; `lookup(keys)` says how many leading keys the tier can supply when the device cache
+misses, and the scheduler then allocates pages for them and waits for the KV (`WAITING_FOR_KV`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from hearth.kv.allocator import PageAllocator
 from hearth.kv.prefix_cache import PrefixCache
-from hearth.kv.prefix_keys import page_keys
+from hearth.kv.prefix_keys import extend_page_keys
+
+# (key, page_id) of a cached page about to be evicted; its KV is intact until the callback returns.
+EvictCallback = Callable[[bytes, int], None]
+# Page keys past the device cache's match -> how many of the leading ones a lower tier holds.
+LookupHook = Callable[[Sequence[bytes]], int]
 
 
 class PageHolder(Protocol):
     page_ids: list[int]
     page_generations: list[int]
     num_computed_tokens: int
-    cached_page_count: int  # leading pages already registered in the prefix cache
+    cached_page_count: int  # leading pages already offered to the prefix cache
+    page_keys: list[bytes]  # keys of the leading full pages of all_token_ids, extended as needed
 
     @property
     def all_token_ids(self) -> list[int]: ...
@@ -39,6 +51,8 @@ class KVCacheManager:
     num_pages: int
     page_size: int
     enable_prefix_caching: bool = True
+    on_evict: EvictCallback | None = None
+    lookup: LookupHook | None = None
     allocator: PageAllocator = field(init=False)
     prefix_cache: PrefixCache = field(init=False)
     stats: PrefixStats = field(default_factory=PrefixStats)
@@ -58,6 +72,13 @@ class KVCacheManager:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def _keys(self, holder: PageHolder, num_pages: int) -> list[bytes]:
+        """The holder's first `num_pages` keys, hashing only the pages not keyed yet."""
+        keys = holder.page_keys
+        if len(keys) < num_pages:
+            extend_page_keys(keys, holder.prefix_root, holder.all_token_ids, self.page_size, num_pages)
+        return keys
+
     def match_prefix(self, holder: PageHolder, num_prompt_tokens: int) -> int:
         """Attach the longest cached prefix of the prompt to a holder with no pages; returns cached tokens.
 
@@ -66,9 +87,9 @@ class KVCacheManager:
         assert not holder.page_ids
         if not self.enable_prefix_caching:
             return 0
-        tokens = holder.all_token_ids[:num_prompt_tokens]
-        keys = page_keys(holder.prefix_root, tokens, self.page_size)
-        pages = self.prefix_cache.match(keys)
+        num_keys = num_prompt_tokens // self.page_size
+        keys = self._keys(holder, num_keys)
+        pages = self.prefix_cache.match(keys if len(keys) == num_keys else keys[:num_keys])
         if len(pages) * self.page_size >= num_prompt_tokens:
             pages = pages[:-1]
         self.stats.queried_tokens += num_prompt_tokens
@@ -83,6 +104,23 @@ class KVCacheManager:
         holder.cached_page_count = len(pages)
         return holder.num_computed_tokens
 
+    def match_lower_tier(self, holder: PageHolder, num_prompt_tokens: int) -> int:
+        """Prompt tokens right after the holder's pages that the lower tier can supply (whole pages).
+
+        Called after `match_prefix`, where the device cache stopped. Asks `lookup` about the keys of
+        the following full pages, leaving at least one prompt token to compute. Allocates nothing:
+        the caller allocates the pages (`allocate_slots`) and has the tier load them.
+        """
+        if self.lookup is None or not self.enable_prefix_caching:
+            return 0
+        first = len(holder.page_ids)
+        assert holder.num_computed_tokens == first * self.page_size, "device matches end on a page boundary"
+        last = (num_prompt_tokens - 1) // self.page_size  # pages wholly before the last prompt token
+        if last <= first:
+            return 0
+        found = self.lookup(self._keys(holder, last)[first:last])
+        return max(0, min(found, last - first)) * self.page_size
+
     def allocate_slots(self, holder: PageHolder, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens; all or nothing."""
         num_needed = self.pages_needed(holder.num_computed_tokens + num_new_tokens) - len(holder.page_ids)
@@ -92,9 +130,12 @@ class KVCacheManager:
             return False
         for _ in range(num_needed):
             if self.allocator.num_free_pages == 0:
-                evicted = self.prefix_cache.evict_one()
+                evicted = self.prefix_cache.evict_lru()
                 assert evicted is not None
-                self.allocator.release(evicted)
+                page_id, key = evicted
+                if self.on_evict is not None:
+                    self.on_evict(key, page_id)  # before the page is handed out and overwritten
+                self.allocator.release(page_id)
             page_id = self.allocator.allocate()
             holder.page_ids.append(page_id)
             holder.page_generations.append(self.allocator.generations[page_id])
@@ -107,25 +148,50 @@ class KVCacheManager:
         num_full = holder.num_computed_tokens // self.page_size
         if num_full <= holder.cached_page_count:
             return
-        tokens = holder.all_token_ids[: num_full * self.page_size]
-        keys = page_keys(holder.prefix_root, tokens, self.page_size)
+        keys = self._keys(holder, num_full)
         for index in range(holder.cached_page_count, num_full):
             self.prefix_cache.insert(keys[index], holder.page_ids[index])
         holder.cached_page_count = num_full
+
+    def truncate(self, holder: PageHolder, num_tokens: int) -> None:
+        """Keep the KV of the holder's first `num_tokens` tokens only: frees the pages past them.
+
+        `num_computed_tokens` is capped at `num_tokens`. A page offered to the prefix cache is never
+        rewritten (other requests may read it): if the cut falls inside one, it moves back to that
+        page's start. Freed pages that are cached still hold their full page of tokens, so they stay
+        cached (parked); the others go back to the free list.
+        """
+        num_full = num_tokens // self.page_size
+        if holder.cached_page_count > num_full:
+            num_tokens = num_full * self.page_size
+            holder.cached_page_count = num_full
+        if holder.num_computed_tokens > num_tokens:
+            holder.num_computed_tokens = num_tokens
+        keep = self.pages_needed(num_tokens)
+        page_ids = holder.page_ids
+        if len(page_ids) <= keep:
+            return
+        for page_id in reversed(page_ids[keep:]):
+            self._drop(page_id)
+        del page_ids[keep:]
+        del holder.page_generations[keep:]
 
     def free(self, holder: PageHolder) -> None:
         """Drop every page the holder has; cached pages stay resident until evicted."""
         # Reverse order parks a request's tail before its head, so eviction takes tails first.
         for page_id in reversed(holder.page_ids):
-            if self.allocator.decref(page_id):
-                if self.prefix_cache.is_cached(page_id):
-                    self.prefix_cache.park(page_id)
-                else:
-                    self.allocator.release(page_id)
+            self._drop(page_id)
         holder.page_ids.clear()
         holder.page_generations.clear()
         holder.num_computed_tokens = 0
         holder.cached_page_count = 0
+
+    def _drop(self, page_id: int) -> None:
+        if self.allocator.decref(page_id):
+            if self.prefix_cache.is_cached(page_id):
+                self.prefix_cache.park(page_id)
+            else:
+                self.allocator.release(page_id)
 
     def reset_prefix_cache(self) -> None:
         for page_id in self.prefix_cache.clear_parked():

@@ -16,8 +16,8 @@ class PrefixCache:
     Contract: `match` returns the pages of the longest run of leading keys that are resident;
     `insert` names a just-filled page (first writer wins: a key already present keeps its page);
     `park` records that a cached page lost its last reader (it becomes evictable, most recent last);
-    `unpark` takes it back when a request reuses it; `evict_one` forgets the least recently used
-    parked page and returns its id for reuse.
+    `unpark` takes it back when a request reuses it; `evict_lru` forgets the least recently used
+    parked page and returns its id for reuse with its key (`evict_one`: the id only).
     """
 
     def __init__(self) -> None:
@@ -59,13 +59,18 @@ class PrefixCache:
     def unpark(self, page_id: int) -> None:
         self._parked.pop(page_id, None)
 
-    def evict_one(self) -> int | None:
+    def evict_lru(self) -> tuple[int, bytes] | None:
+        """Forget the least recently used parked page; returns it with the key it was cached under."""
         if not self._parked:
             return None
         page_id, _ = self._parked.popitem(last=False)
         key = self._key_by_page.pop(page_id)
         del self._page_by_key[key]
-        return page_id
+        return page_id, key
+
+    def evict_one(self) -> int | None:
+        evicted = self.evict_lru()
+        return evicted[0] if evicted is not None else None
 
     def clear_parked(self) -> list[int]:
         """Forget every parked page (e.g. a cache reset); returns their ids."""

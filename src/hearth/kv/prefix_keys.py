@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 
 KEY_BYTES = 16
 
@@ -29,8 +29,21 @@ def page_key(parent_key: bytes, page_token_ids: Sequence[int]) -> bytes:
 def page_keys(root: bytes, token_ids: Sequence[int], page_size: int) -> list[bytes]:
     """Keys of every full page of `token_ids` (a trailing partial page has none)."""
     keys: list[bytes] = []
-    parent = root
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
+    extend_page_keys(keys, root, token_ids, page_size, len(token_ids) // page_size)
+    return keys
+
+
+def extend_page_keys(
+    keys: MutableSequence[bytes], root: bytes, token_ids: Sequence[int], page_size: int, num_pages: int
+) -> None:
+    """Append keys to `keys` (the chain of the leading pages of `token_ids`) until it has `num_pages`.
+
+    A sequence only grows, so the keys already computed stay valid: each page is hashed once.
+    `num_pages` must not exceed the full pages of `token_ids`.
+    """
+    assert num_pages * page_size <= len(token_ids), "a partial page has no key"
+    parent = keys[-1] if keys else root
+    for index in range(len(keys), num_pages):
+        start = index * page_size
         parent = page_key(parent, token_ids[start : start + page_size])
         keys.append(parent)
-    return keys
