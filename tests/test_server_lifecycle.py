@@ -165,7 +165,7 @@ def test_no_model_and_no_demo_model_is_a_clear_error(
 
 
 def _core_pid(server: ServerProcess) -> int:
-    match = re.search(r"engine core process started \(pid (\d+)\)", server.log())
+    match = re.search(r"engine core process started \(pid (\d+)", server.log())
     assert match, server.log()
     return int(match.group(1))
 
