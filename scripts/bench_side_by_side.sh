@@ -38,6 +38,8 @@ serve_bench() {  # label url served-name
 }
 
 hearth_round() {  # label src
+  # Each checkout compiles its own CPU kernels; the offline run builds them before the server starts.
+  export TORCH_EXTENSIONS_DIR=/tmp/hearth-kernels-$1
   for n in 64 1; do
     PYTHONPATH="$2" "$py" -m hearth.cli bench offline --model "$model" --num-prompts "$n" --input-len 128 \
       --output-len 128 --prompts-file "$prompts" --output-json "$out/$1-offline-bs$n.json" \

@@ -1,4 +1,5 @@
-"""The async front: streaming per step, abort frees pages, validation errors reach the caller."""
+"""The async front (the engine core in its own process): streaming per step, abort and stop strings free
+pages in the core, validation errors reach the caller, stats come from the core."""
 
 from __future__ import annotations
 
@@ -82,3 +83,43 @@ async def test_prompt_longer_than_context_is_rejected(engine):
         o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), "after")
     ]
     assert outs[-1].finished
+
+
+async def test_a_token_id_outside_the_vocabulary_is_rejected_before_any_output(engine):
+    with pytest.raises(InvalidParamError) as info:
+        async for _ in engine.generate([5, engine.vocab_size], SamplingParams(max_tokens=2), "bad-id"):
+            pytest.fail("no output may come before the rejection")
+    assert info.value.param == "prompt"
+
+
+async def _wait_idle(engine: AsyncEngine):
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_pages_used == 0:
+            break
+        await asyncio.sleep(0.02)
+    return stats
+
+
+async def test_a_stop_string_ends_the_request_in_the_core_too(engine):
+    prompt = list(range(30, 50))
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    text = "".join([o.new_text async for o in engine.generate(prompt, greedy, "no-stop")])
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip() and text.find(stop) > 0, text
+    stopped = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=[stop])
+    outputs = [o async for o in engine.generate(prompt, stopped, "stop-string")]
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop
+    assert "".join(o.new_text for o in outputs) == text[: text.find(stop)]
+    # The core was running it to max_tokens: it is aborted there, and its pages freed.
+    stats = await _wait_idle(engine)
+    assert stats.num_running == 0 and stats.kv_pages_used == 0
+
+
+async def test_stats_come_from_the_core_and_count_generated_tokens(engine):
+    before = engine.stats().generation_tokens_total
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    [o async for o in engine.generate([7, 8, 9], params, "counted")]
+    stats = await _wait_idle(engine)
+    assert stats.generation_tokens_total >= before + 5
+    assert stats.kv_pages_total * 4 == engine.num_kv_tokens

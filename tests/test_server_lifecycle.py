@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
+from fastapi.testclient import TestClient
 from tiny_models import make_tiny_model
 
+from hearth.engine.messages import EngineStats
+from hearth.model.tokenizer import Tokenizer
 from hearth.server import cli as server_cli
+from hearth.server.app import build_app
 from hearth.server.process import ServerProcess, free_port
+from hearth.server.state import ServerConfig
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +162,105 @@ def test_no_model_and_no_demo_model_is_a_clear_error(
     assert server_cli.run(parser.parse_args([])) == 2
     message = capsys.readouterr().err
     assert "no default model exists" in message and "--model" in message
+
+
+def _core_pid(server: ServerProcess) -> int:
+    match = re.search(r"engine core process started \(pid (\d+)", server.log())
+    assert match, server.log()
+    return int(match.group(1))
+
+
+def test_when_the_engine_core_dies_in_flight_requests_get_503_and_the_server_exits_1(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    args = ["--model", str(model_dir), "--kv-cache-memory", "0.02", "--max-model-len", "2048"]
+    server = ServerProcess(args, tmp_path / "server.log").start()
+    try:
+        server.wait_ready()
+        assert server.process is not None
+        core_pid = _core_pid(server)
+        answers: list[httpx.Response] = []
+        body = {"prompt": "keep going", "max_tokens": 2000, "ignore_eos": True}
+        waiting = threading.Thread(
+            target=lambda: answers.append(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+        )
+        waiting.start()
+        with httpx.stream(
+            "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as response:
+            lines = (line for line in response.iter_lines() if line)
+            next(lines)
+            deadline = time.monotonic() + 30
+            while httpx.get(server.url + "/load").json()["running_requests"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            os.kill(core_pid, signal.SIGKILL)
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: ") :])["error"]
+        assert "engine core process was killed by SIGKILL" in error["message"]
+        waiting.join(30)
+        assert answers and answers[0].status_code == 503
+        assert "engine core process was killed" in answers[0].json()["error"]["message"]
+        assert server.process.wait(30) == 1
+        assert "engine core process was killed by SIGKILL" in server.log()
+    finally:
+        server.stop()
+
+
+def test_the_engine_core_exits_when_the_server_is_killed(model_dir: Path, tmp_path: Path) -> None:
+    server = ServerProcess(["--model", str(model_dir), "--kv-cache-memory", "0.02"], tmp_path / "log").start()
+    try:
+        server.wait_ready()
+        assert server.process is not None
+        core = psutil.Process(_core_pid(server))
+        server.process.kill()
+        server.process.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(core):
+            assert time.monotonic() < deadline, "the engine core outlived the server"
+            time.sleep(0.05)
+    finally:
+        server.stop()
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class _FakeEngine:
+    """Just enough of `AsyncEngine` for the app: ready at once, dead when the test says so."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.max_model_len = 64
+        self.num_kv_tokens = 64
+        self.model_name = "tiny"
+        self.dead: str | None = None
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0, 4, 0, 0, 0, 0, 0, 0)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_dead_engine_fails_health_and_new_requests_get_503(model_dir: Path) -> None:
+    engine = _FakeEngine(model_dir)
+    app = build_app(ServerConfig(model_name="tiny"), lambda: engine, str(model_dir), 4)  # type: ignore[arg-type,return-value]
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 10
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engine.dead = "the engine core process was killed by SIGKILL"
+        health = client.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "failed", "error": engine.dead}
+        refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503
+        error = refused.json()["error"]
+        assert error["code"] == "engine_dead" and engine.dead in error["message"]

@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 from itertools import count
 
-import msgspec
 import torch
 
 from hearth.engine.config import EngineConfig
-from hearth.engine.messages import CoreOutput, EngineRequest
+from hearth.engine.messages import CoreOutput, EngineRequest, EngineStats
 from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.request import Request
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
@@ -30,17 +29,6 @@ from hearth.model.tokenizer import Tokenizer
 logger = logging.getLogger("hearth.engine")
 
 
-class EngineStats(msgspec.Struct):
-    num_running: int
-    num_waiting: int
-    kv_pages_used: int
-    kv_pages_total: int
-    prefix_cache_queries_tokens: int
-    prefix_cache_hit_tokens: int
-    prompt_tokens_total: int
-    cached_tokens_total: int
-    generation_tokens_total: int
-    num_preemptions_total: int
 
 
 class Engine:

@@ -15,7 +15,7 @@ from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.sampling_params import SamplingParams
 
 
-class EngineRequest(msgspec.Struct, omit_defaults=True):
+class EngineRequest(msgspec.Struct, tag=True, omit_defaults=True):
     """Add a request. The core validates it (prompt length, token ids, grammar) and rejects it with a
     `CoreOutput` whose `rejected_param` names the offending parameter."""
 
@@ -49,6 +49,57 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
-class AbortRequests(msgspec.Struct, omit_defaults=True):
+class AbortRequests(msgspec.Struct, tag=True, omit_defaults=True):
     request_ids: list[str]
     reason: str = "aborted"
+
+
+# ---- between the API process and the engine-core process (`hearth serve`) ---------------------------
+
+
+class EngineStats(msgspec.Struct):
+    """The engine's gauges and counters, pushed by the core with its outputs (`/metrics`, `/load`)."""
+
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens_total: int
+    cached_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions_total: int
+
+
+class ShutdownCore(msgspec.Struct, tag=True):
+    """Abort whatever is still running (with `reason`), send the last outputs, and exit 0."""
+
+    reason: str = "server shutting down"
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    """The core loaded the model and takes requests; what the API process needs to know of it."""
+
+    max_model_len: int
+    num_kv_tokens: int
+    vocab_size: int
+    stats: EngineStats
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    """The core could not start (the model did not load); it exits 1 after sending this."""
+
+    error: str
+
+
+class CoreOutputs(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """Everything one pass of the core's loop produced, in one message: the step's outputs, answers to
+    adds it rejected and aborts it applied, and the engine's stats as of the end of that pass."""
+
+    outputs: list[CoreOutput]
+    stats: EngineStats | None = None
+
+
+ToCore = EngineRequest | AbortRequests | ShutdownCore
+FromCore = CoreOutputs | CoreReady | CoreFailed

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -106,10 +108,21 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async def load() -> None:
+        starting: concurrent.futures.Future[AsyncEngine] = concurrent.futures.Future()
+
+        def start_engine() -> None:
+            if not starting.set_running_or_notify_cancel():
+                return
             try:
-                engine = await asyncio.to_thread(engine_factory)
-            except BaseException as exc:  # a model that fails to load ends the server with a message
+                starting.set_result(engine_factory())
+            except BaseException as exc:
+                starting.set_exception(exc)
+
+        async def load() -> None:
+            threading.Thread(target=start_engine, name="hearth-engine-start", daemon=True).start()
+            try:
+                engine = await asyncio.wrap_future(starting)
+            except Exception as exc:  # a model that fails to load ends the server with a message
                 state.load_error = str(exc)
                 logger.error("could not load the model: %s", exc)
                 if on_load_failure is not None:
@@ -122,6 +135,8 @@ def build_app(
         state.admission.draining = True
         if not loader.done():
             loader.cancel()
+            # Stopped while the engine starts: stop it once it is up rather than leave its process behind.
+            starting.add_done_callback(lambda done: None if done.exception() else done.result().shutdown())
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
 
@@ -176,8 +191,9 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if state.load_error is not None:
-            return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
+        error = state.engine_error
+        if error is not None:
+            return JSONResponse({"status": "failed", "error": error}, status_code=503)
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -1,4 +1,9 @@
-"""`hearth serve`: one engine behind the OpenAI-compatible API."""
+"""`hearth serve`: one engine behind the OpenAI-compatible API.
+
+Two processes: this one (HTTP, chat templates, tokenization, detokenization, tool parsing, streaming) and
+the engine core (scheduler, KV cache, model), which `AsyncEngine` starts and stops. If the engine core dies
+the server answers 503 and exits 1.
+"""
 
 from __future__ import annotations
 
@@ -76,6 +81,7 @@ def _note_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     import uvicorn
 
     from hearth.engine.async_engine import AsyncEngine
@@ -106,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
         chat_template_path=args.chat_template,
         aliases=(str(model_dir), str(model_dir.resolve()), model_dir.name),
     )
+    # The model runs in the engine-core process; torch threads here would only compete with it for cores.
+    torch.set_num_threads(1)
     failures: list[BaseException] = []
+    engine_deaths: list[str] = []
     server: uvicorn.Server | None = None
 
     def on_load_failure(exc: BaseException) -> None:
@@ -114,9 +123,15 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
+    def on_engine_death(reason: str) -> None:
+        # In-flight and new requests already get 503s; stop taking connections and exit non-zero.
+        engine_deaths.append(reason)
+        if server is not None:
+            server.should_exit = True
+
     app = build_app(
         server_config,
-        lambda: AsyncEngine(engine_config),
+        lambda: AsyncEngine(engine_config, on_dead=on_engine_death),
         str(model_dir),
         engine_config.max_num_seqs,
         on_load_failure,
@@ -139,5 +154,8 @@ def run(args: argparse.Namespace) -> int:
     server.run()
     if failures:
         print(f"hearth serve: could not load {model_dir}: {failures[0]}", file=sys.stderr)
+        return 1
+    if engine_deaths:
+        print(f"hearth serve: {engine_deaths[0]}; stopped serving", file=sys.stderr)
         return 1
     return 0

@@ -43,7 +43,14 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None
+        return self.engine is not None and self.engine.dead is None
+
+    @property
+    def engine_error(self) -> str | None:
+        """Why the server cannot serve any more (the model did not load, the engine died), or None."""
+        if self.load_error is not None:
+            return self.load_error
+        return self.engine.dead if self.engine is not None else None
 
     def require_engine(self) -> AsyncEngine:
         if self.engine is None:
@@ -53,6 +60,13 @@ class ServerState:
                 "service_unavailable",
                 code="model_loading",
                 headers={"Retry-After": "5"},
+            )
+        if self.engine.dead is not None:
+            raise APIError(
+                f"{self.engine.dead}; this server is shutting down",
+                503,
+                "service_unavailable",
+                code="engine_dead",
             )
         return self.engine
 
