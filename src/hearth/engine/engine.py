@@ -29,8 +29,6 @@ from hearth.model.tokenizer import Tokenizer
 logger = logging.getLogger("hearth.engine")
 
 
-
-
 class Engine:
     def __init__(
         self,
