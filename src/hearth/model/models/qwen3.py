@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from hearth.model.decoder import CausalLM
+from hearth.model.models.llama import LlamaForCausalLM
 from hearth.model.models.qwen2 import qwen_sliding_window
 from hearth.model.registry import register_model
 
 
 @register_model("Qwen3ForCausalLM")
-class Qwen3ForCausalLM(CausalLM):
+class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def config_fields(cls, raw: dict[str, Any], source: str) -> dict[str, Any]:
-        attention_bias = bool(raw.get("attention_bias", False))
         return {
-            "attention_bias": attention_bias,
-            "attention_out_bias": attention_bias,
+            **super().config_fields(raw, source),
             "qk_norm": True,
             "sliding_window": qwen_sliding_window(raw, source),
         }
