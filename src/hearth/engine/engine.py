@@ -43,7 +43,6 @@ class Engine:
         kv_layout_tag: str,
         max_model_len: int,
         num_kv_tokens: int,
-        dtype: torch.dtype,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -56,7 +55,6 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.num_kv_tokens = num_kv_tokens
-        self.dtype = dtype  # what the model computes in (reported by benchmarks)
         self._kv_layout_tag = kv_layout_tag
         self._requests: dict[str, Request] = {}
         self._arrivals = count()
@@ -69,6 +67,11 @@ class Engine:
     @property
     def model(self) -> torch.nn.Module:
         return self.worker.model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the model computes in (benchmarks report it)."""
+        return self.worker.dtype
 
     @property
     def has_work(self) -> bool:
@@ -221,8 +224,7 @@ class Engine:
 def check_request(
     prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
 ) -> None:
-    """The checks a request must pass before it is queued; raises InvalidParamError naming the parameter.
-    Cheap and pure, so an API process can run them too and save a round trip."""
+    """The checks a request must pass before it is queued; raises InvalidParamError naming the parameter."""
     if not prompt_token_ids:
         raise InvalidParamError("prompt", "the prompt is empty")
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:

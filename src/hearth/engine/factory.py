@@ -57,7 +57,6 @@ def build_engine(config: EngineConfig) -> Engine:
         kv_layout_tag=layout.describe(),
         max_model_len=max_model_len,
         num_kv_tokens=num_kv_tokens,
-        dtype=dtype,
     )
     logger.info(
         "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
