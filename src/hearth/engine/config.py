@@ -8,10 +8,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from hearth.kv.dtypes import KV_CACHE_DTYPE_CHOICES, check_kv_cache_dtype
+
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-# fp8_e4m3 is listed so that asking for it gets a clear answer; hearth.kv.pool holds its place.
-KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -36,14 +36,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {self.kv_cache_dtype!r}"
-            )
-        if self.kv_cache_dtype == "fp8_e4m3":
-            raise ValueError(
-                "--kv-cache-dtype fp8_e4m3: the FP8 KV cache is not built yet; use auto, bfloat16, float16 or float32"
-            )
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
         if self.page_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -12,33 +12,21 @@ from typing import Literal
 
 import torch
 
+from hearth.kv.dtypes import KVCacheDtypeError, check_kv_cache_dtype
 from hearth.ops.attention.backend import write_kv
 
+__all__ = ["KVCacheDtypeError", "KVLayout", "KVPool", "resolve_kv_dtype"]
+
 KVKind = Literal["mha", "latent"]
-KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 _NAMED_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class KVCacheDtypeError(ValueError):
-    pass
 
 
 def resolve_kv_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
     """`--kv-cache-dtype`: `auto` stores K/V in the model's dtype; the others name the storage dtype."""
     if requested == "auto":
         return model_dtype
-    if requested == "fp8_e4m3":
-        # The place for it: a float8_e4m3fn pool with per-layer `k_scales`/`v_scales` (see KVPool), a
-        # quantizing `store` and dequantizing attention backends. The FP8 KV issue builds them.
-        raise KVCacheDtypeError(
-            "--kv-cache-dtype fp8_e4m3: the FP8 KV cache is not built yet; use auto, bfloat16, float16 or float32"
-        )
-    try:
-        return _NAMED_KV_DTYPES[requested]
-    except KeyError:
-        raise KVCacheDtypeError(
-            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {requested!r}"
-        ) from None
+    check_kv_cache_dtype(requested)
+    return _NAMED_KV_DTYPES[requested]
 
 
 @dataclass(frozen=True)
