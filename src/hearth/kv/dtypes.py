@@ -13,7 +13,7 @@ def check_kv_cache_dtype(name: str) -> None:
     """Raises KVCacheDtypeError unless `name` is a KV dtype this build can store."""
     if name not in KV_CACHE_DTYPE_CHOICES:
         raise KVCacheDtypeError(
-            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {name!r}"
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {name!r}"
         )
     if name == "fp8_e4m3":
         # Its place: a float8_e4m3fn pool with per-layer `k_scales`/`v_scales` (see KVPool), a quantizing
