@@ -47,6 +47,51 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    # MoE families: 8 experts, 2 per token; a dense layer among the MoE ones.
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    },
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+    },
+    "glm4_moe": {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "num_hidden_layers": 3,
+        "head_dim": 32,
+        "attention_bias": True,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.5,
+        "first_k_dense_replace": 1,
+    },
 }
 
 
@@ -99,7 +144,7 @@ _TOKENIZER_CACHE: dict[int, Path] = {}
 
 
 def make_tiny_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Write a random-weight checkpoint of `arch` (llama, mistral, qwen2, qwen3) into `path`."""
+    """Write a random-weight checkpoint of `arch` (a key of `ARCH_CONFIGS`) into `path`."""
     import shutil
 
     import torch
@@ -152,6 +197,9 @@ def make_tiny_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0,
                 param.normal_(0.0, 0.08)
             elif "bias" in str(param):
                 param.normal_(0.0, 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros by default: give the bias a say in routing
+                buffer.normal_(0.0, 0.1)
     if weights_dtype != "float32":
         model.to(getattr(torch, weights_dtype))
     model.save_pretrained(path, safe_serialization=True)

@@ -59,13 +59,16 @@ def build_engine(config: EngineConfig) -> Engine:
         num_kv_tokens=num_kv_tokens,
     )
     logger.info(
-        "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
+        "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s, %s layout, %d bytes per token); "
+        "max model len %d; ready in %.1f s",
         worker.device,
         num_pages,
         config.page_size,
         num_kv_tokens,
         num_pages * layout.bytes_per_page / GIB,
         str(layout.kv_dtype).removeprefix("torch."),
+        layout.kind,
+        layout.bytes_per_token,
         max_model_len,
         time.perf_counter() - started,
     )

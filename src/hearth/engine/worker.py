@@ -53,13 +53,16 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def kv_layout_for(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVLayout:
-    """The KV layout a worker builds for this model and these options (the engine sizes the cache with it)."""
+    """The KV layout a worker builds for this model and these options (the engine sizes the cache with it).
+    MLA models cache one latent vector per token and layer (kind "latent"), whatever their head count."""
+    mla = model_config.mla
     return KVLayout(
         num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
+        num_kv_heads=1 if mla is not None else model_config.num_kv_heads,
+        head_dim=mla.latent_dim if mla is not None else model_config.head_dim,
         page_size=config.page_size,
         kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype),
+        kind="latent" if mla is not None else "mha",
     )
 
 

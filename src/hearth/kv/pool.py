@@ -32,7 +32,8 @@ def resolve_kv_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class KVLayout:
     """What a page holds. `kv_dtype` is the storage dtype (it may differ from the model's compute dtype);
-    `kind` is "mha" (K and V per KV head) or, reserved for MLA models, "latent" (one compressed vector)."""
+    `kind` is "mha" (K and V per KV head) or "latent" (MLA models: per token one vector of `head_dim`
+    values, the compressed KV latent and the rotated key shared by all heads; `num_kv_heads` is 1)."""
 
     num_layers: int
     num_kv_heads: int
@@ -41,10 +42,24 @@ class KVLayout:
     kv_dtype: torch.dtype
     kind: KVKind = "mha"
 
+    def __post_init__(self) -> None:
+        if self.kind == "latent" and self.num_kv_heads != 1:
+            raise ValueError(f"a latent KV layout holds one vector per token, not {self.num_kv_heads} heads")
+
+    @property
+    def num_planes(self) -> int:
+        """Tensors per layer: K and V for "mha"; the latent alone (keys and values both read it) for "latent"."""
+        return 1 if self.kind == "latent" else 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Pool bytes one token takes, over all layers."""
+        element_bytes = torch.empty((), dtype=self.kv_dtype).element_size()
+        return self.num_planes * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+
     @property
     def bytes_per_page(self) -> int:
-        element_bytes = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * element_bytes
+        return self.page_size * self.bytes_per_token
 
     def describe(self) -> str:
         """Part of the prefix-key salt: pages of different layouts (dtype included) never match."""
@@ -56,12 +71,15 @@ class KVLayout:
 
 class KVPool:
     """Per layer, K and V as `[num_pages * page_size, num_kv_heads, head_dim]`: a slot is `page * page_size + offset`.
+    A "latent" layout keeps one such tensor per layer (`num_kv_heads` 1), which serves as both K and V.
 
     Contract:
-    - `layer(i)` gives layer i's (K, V) slot-addressed views; attention backends read them in place.
-    - `store(layer, slot_mapping, k, v)` writes a step's new keys and values (converted to `kv_dtype`).
-    - `read_pages(page_ids)` copies whole pages of every layer out, `[num_layers, 2, len(page_ids),
-      page_size, num_kv_heads, head_dim]` in `kv_dtype`, and `write_pages(page_ids, data)` puts such a
+    - `layer(i)` gives layer i's (K, V) slot-addressed views; attention backends read them in place. For a
+      latent layout both are the same tensor: MLA attends with the latent as keys and as values.
+    - `store(layer, slot_mapping, k, v)` writes a step's new keys and values (converted to `kv_dtype`);
+      for a latent layout `k` is the latent and `v` is None.
+    - `read_pages(page_ids)` copies whole pages of every layer out, `[num_layers, num_planes, len(page_ids),
+      page_size, num_kv_heads, head_dim]` in `kv_dtype` (`num_planes` 2, or 1 for a latent layout), and `write_pages(page_ids, data)` puts such a
       tensor (any float dtype, any device: converted on the way) into other pages, of this pool or another
       one of the same shape: transfer between servers and tiers moves pages this way.
     - `page_tags[page]` (int64, on the pool's device) is the generation tag the allocator gave the page's
@@ -72,32 +90,34 @@ class KVPool:
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
-        if layout.kind != "mha":
-            raise NotImplementedError(f"the {layout.kind!r} KV pool (MLA) is not built yet")
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = layout.page_size
         self.device = torch.device(device)
         num_slots = num_pages * layout.page_size
-        shape = (layout.num_layers, 2, num_slots, layout.num_kv_heads, layout.head_dim)
+        shape = (layout.num_layers, layout.num_planes, num_slots, layout.num_kv_heads, layout.head_dim)
         self.storage = torch.empty(shape, dtype=layout.kv_dtype, device=self.device)
         self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
-        self._layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(layout.num_layers)]
+        value_plane = 1 if layout.num_planes == 2 else 0
+        self._layers = [(self.storage[i, 0], self.storage[i, value_plane]) for i in range(layout.num_layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[index]
 
-    def store(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """k, v `[num_tokens, num_kv_heads, head_dim]` into the slots `slot_mapping` (long, on the pool's device)."""
         k_pool, v_pool = self._layers[layer]
+        if v is None:  # a latent layout: one tensor
+            k_pool.index_copy_(0, slot_mapping, k.to(k_pool.dtype))
+            return
         write_kv(k_pool, v_pool, slot_mapping, k, v)
 
     def _paged(self) -> torch.Tensor:
         layout = self.layout
         return self.storage.view(
-            layout.num_layers, 2, self.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim
+            layout.num_layers, layout.num_planes, self.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim
         )
 
     def read_pages(self, page_ids: list[int] | torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,50 @@ class ModelLoadError(Exception):
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts MLP of an MoE family (`hearth.model.moe`).
+
+    `scoring` "softmax": top-k of the softmax of the router logits (Qwen3-MoE); "sigmoid": DeepSeek-V3's
+    grouped routing (sigmoid scores, plus `e_score_correction_bias` for the choice only; the `topk_group`
+    best of `num_groups` groups by their two best scores; top-k within them). `dense_layers` are the
+    layers that keep the dense MLP (`intermediate_size`) instead.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    norm_topk_prob: bool
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0  # their MLP is num_shared_experts * intermediate_size wide
+    dense_layers: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): the KV cache holds, per token, the
+    `kv_lora_rank` latent and the `qk_rope_head_dim` rotated key shared by all heads."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values the KV cache holds per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -38,6 +82,15 @@ class ModelConfig:
     hidden_act: str = "silu"
     checkpoint_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
+    # MoE and MLA families (`hearth.model.models.{qwen3_moe,deepseek_v3,glm4_moe}`):
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
+    rotary_dim: int | None = None  # the rotated dims of each head when not all of them (None: head_dim)
+
+    @property
+    def rotary_size(self) -> int:
+        """Dims of a head that rotary embedding rotates (the cos/sin table's width)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def q_size(self) -> int:

@@ -71,7 +71,7 @@ class CausalLM(nn.Module):
         # torch._refs, whose first import costs ~2.5 s of startup; real devices compute it here.
         on_meta = torch.empty(0).device.type == "meta"
         table = (
-            torch.empty(max_positions, config.head_dim)
+            torch.empty(max_positions, config.rotary_size)
             if on_meta
             else build_cos_sin_table(config, max_positions)
         )

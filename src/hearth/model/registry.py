@@ -21,6 +21,9 @@ _MODULES = (
     "hearth.model.models.mistral",
     "hearth.model.models.qwen2",
     "hearth.model.models.qwen3",
+    "hearth.model.models.qwen3_moe",
+    "hearth.model.models.deepseek_v3",
+    "hearth.model.models.glm4_moe",
 )
 _MODELS: dict[str, type[CausalLM]] = {}
 

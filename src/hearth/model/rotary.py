@@ -68,8 +68,8 @@ def _yarn_inv_freq(
 
 
 def build_cos_sin_table(config: ModelConfig, max_positions: int) -> torch.Tensor:
-    """float32 `[max_positions, head_dim]`: cos in the first half, sin in the second (both already scaled)."""
-    dim = config.head_dim
+    """float32 `[max_positions, rotary_size]`: cos in the first half, sin in the second (both already scaled)."""
+    dim = config.rotary_size
     base = config.rope_theta
     params = config.rope_scaling
     rope_type = params.get("rope_type", "default")
