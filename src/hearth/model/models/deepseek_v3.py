@@ -13,6 +13,7 @@ from hearth.model.config import MLAConfig, ModelLoadError
 from hearth.model.mla import MLAttention
 from hearth.model.moe import MoECausalLM, MoEDecoderLayer, sigmoid_moe_config
 from hearth.model.registry import register_model
+from hearth.model.weights import ShardId
 
 
 class DeepseekV3DecoderLayer(MoEDecoderLayer):
@@ -22,6 +23,11 @@ class DeepseekV3DecoderLayer(MoEDecoderLayer):
 @register_model("DeepseekV3ForCausalLM")
 class DeepseekV3ForCausalLM(MoECausalLM):
     layer_class: ClassVar[type[nn.Module]] = DeepseekV3DecoderLayer
+    # MLA's `q_proj` (no query compression) is its own matrix: only the MLPs' gate/up are fused.
+    packed_modules: ClassVar[dict[str, tuple[str, ShardId]]] = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     @classmethod
     def config_fields(cls, raw: dict[str, Any], source: str) -> dict[str, Any]:
