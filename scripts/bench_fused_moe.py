@@ -32,7 +32,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        hidden_size=args.hidden, moe_intermediate_size=args.intermediate, num_experts=args.experts,
+        hidden_size=args.hidden,
+        moe_intermediate_size=args.intermediate,
+        num_experts=args.experts,
         num_experts_per_tok=args.top_k,
     )
     hf = Qwen3MoeExperts(config).eval()
@@ -40,8 +42,10 @@ def main() -> None:
         hf.gate_up_proj.normal_(0, 0.02)
         hf.down_proj.normal_(0, 0.02)
     gate_up, down = hf.gate_up_proj.data, hf.down_proj.data
-    print(f"experts {args.experts}, top-{args.top_k}, hidden {args.hidden}, intermediate {args.intermediate}, "
-          f"float32, torch threads {torch.get_num_threads()}")
+    print(
+        f"experts {args.experts}, top-{args.top_k}, hidden {args.hidden}, intermediate {args.intermediate}, "
+        f"float32, torch threads {torch.get_num_threads()}"
+    )
     print("| tokens | fused_moe ms | transformers ms | speed-up |")
     print("|---:|---:|---:|---:|")
     for num_tokens in [int(b) for b in args.batches.split(",")]:

@@ -49,10 +49,14 @@ def main() -> None:
         mha = KVLayout(layers, heads, unpadded_head_dim, args.page_size, dtype)
         latent_tokens, latent_bytes = tokens_held(latent, budget)
         mha_tokens, mha_bytes = tokens_held(mha, budget)
-        print(f"| {name} | latent ({rank}+{rope}) | {latent.bytes_per_token:,} | {latent_tokens:,} | {latent_bytes:,} | "
-              f"{latent_tokens / max(mha_tokens, 1):.1f}x |")
-        print(f"| {name} | MHA ({heads} x ({nope}+{rope}) K + {heads} x {v_dim} V) | {mha.bytes_per_token:,} | "
-              f"{mha_tokens:,} | {mha_bytes:,} | 1x |")
+        print(
+            f"| {name} | latent ({rank}+{rope}) | {latent.bytes_per_token:,} | {latent_tokens:,} | {latent_bytes:,} | "
+            f"{latent_tokens / max(mha_tokens, 1):.1f}x |"
+        )
+        print(
+            f"| {name} | MHA ({heads} x ({nope}+{rope}) K + {heads} x {v_dim} V) | {mha.bytes_per_token:,} | "
+            f"{mha_tokens:,} | {mha_bytes:,} | 1x |"
+        )
 
 
 if __name__ == "__main__":

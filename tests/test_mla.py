@@ -35,7 +35,9 @@ def test_mla_layout_holds_the_latent_per_token_not_two_times_heads_times_head_di
 
 
 def test_latent_pool_stores_one_tensor_that_serves_as_keys_and_values_and_moves_by_pages():
-    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=6, page_size=4, kv_dtype=torch.bfloat16, kind="latent")
+    layout = KVLayout(
+        num_layers=2, num_kv_heads=1, head_dim=6, page_size=4, kv_dtype=torch.bfloat16, kind="latent"
+    )
     pool = KVPool(layout, num_pages=3)
     latent = torch.randn(3, 1, 6)
     slots = torch.tensor([1, 4, 11])

@@ -63,9 +63,21 @@ def test_moe_prefix_cache_hits_keep_outputs_exact(tiny_model_factory, arch):
             ),
         ),
         ("glm4_moe", dict(use_qk_norm=True)),
-        ("glm4_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0})),
+        (
+            "glm4_moe",
+            dict(
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+            ),
+        ),
     ],
-    ids=["qwen3moe-sparse-step", "dsv3-no-q-lora", "dsv3-plain-rope-one-group", "dsv3-yarn", "glm-qk-norm", "glm-full-rotary"],
+    ids=[
+        "qwen3moe-sparse-step",
+        "dsv3-no-q-lora",
+        "dsv3-plain-rope-one-group",
+        "dsv3-yarn",
+        "glm-qk-norm",
+        "glm-full-rotary",
+    ],
 )
 def test_moe_config_variants_match_transformers(tiny_model_factory, arch, overrides):
     model_dir = tiny_model_factory(arch, **overrides)
@@ -83,4 +95,6 @@ def test_deepseek_multi_token_prediction_layers_are_not_loaded(tiny_model_factor
     save_file(tensors, str(tmp_path / "model.safetensors"))
     prompt = random_prompt(12, seed=3)
     llm = LLM(str(tmp_path), dtype="float32")
-    assert llm.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0].token_ids == hf_greedy(source, prompt, 6)
+    assert llm.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0].token_ids == hf_greedy(
+        source, prompt, 6
+    )

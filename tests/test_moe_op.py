@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -71,7 +70,12 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer():
     for rank in range(3):
         start, count = expert_range(7, rank, 3)
         partial += fused_moe(
-            hidden, gate_up[start : start + count], down[start : start + count], weights, ids, first_expert=start
+            hidden,
+            gate_up[start : start + count],
+            down[start : start + count],
+            weights,
+            ids,
+            first_expert=start,
         )
     torch.testing.assert_close(partial, whole)
 
@@ -80,10 +84,22 @@ def test_sigmoid_grouped_router_picks_within_the_best_groups_and_weights_by_plai
     moe = ModelConfig.from_dict(
         {
             "architectures": ["DeepseekV3ForCausalLM"],
-            "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1,
-            "num_attention_heads": 1, "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2,
-            "v_head_dim": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 4,
-            "n_group": 4, "topk_group": 1, "routed_scaling_factor": 2.0, "norm_topk_prob": False,
+            "vocab_size": 8,
+            "hidden_size": 4,
+            "intermediate_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 1,
+            "kv_lora_rank": 4,
+            "qk_nope_head_dim": 2,
+            "qk_rope_head_dim": 2,
+            "v_head_dim": 2,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 4,
+            "n_group": 4,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.0,
+            "norm_topk_prob": False,
         }
     ).moe
     router = TopKRouter(4, moe)
@@ -104,10 +120,15 @@ def test_each_expert_parallel_rank_loads_only_its_experts_and_the_ranks_sum_to_o
     hidden = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(0))
     outputs = []
     try:
-        for state in [ParallelState(), ParallelState(ep_rank=0, ep_size=2), ParallelState(ep_rank=1, ep_size=2)]:
+        for state in [
+            ParallelState(),
+            ParallelState(ep_rank=0, ep_size=2),
+            ParallelState(ep_rank=1, ep_size=2),
+        ]:
             set_parallel_state(state)
             model = build_model(config, torch.float32, 32)
-            load_weights(model, model_dir)  # complete: each rank's expert tensors, and no others, are required
+            # Complete: each rank needs its experts' tensors and no others.
+            load_weights(model, model_dir)
             block = model.model.layers[0].mlp
             assert isinstance(block, SparseMoeBlock)
             assert block.experts.gate_up_proj.shape[0] == (8 if state.ep_size == 1 else 4)

@@ -117,7 +117,12 @@ class KVPool:
     def _paged(self) -> torch.Tensor:
         layout = self.layout
         return self.storage.view(
-            layout.num_layers, layout.num_planes, self.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim
+            layout.num_layers,
+            layout.num_planes,
+            self.num_pages,
+            layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
         )
 
     def read_pages(self, page_ids: list[int] | torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,9 @@ from hearth.model.weights import ShardId, TPRank, WeightShapeError, divide, set_
 from hearth.ops.moe import fused_moe
 
 # `model.layers.3.mlp.experts.17.gate_proj.weight` -> stacked parameter `...experts.gate_up_proj`, part "gate:17"
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\.weight$")
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\.weight$"
+)
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -91,7 +93,12 @@ class FusedExperts(nn.Module):
     per-expert tensors (parts "gate:E", "up:E", "down:E" of expert E)."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str, options: LayerOptions
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        options: LayerOptions,
     ) -> None:
         super().__init__()
         state = parallel_state()
@@ -130,7 +137,9 @@ class FusedExperts(nn.Module):
         expert = int(str(shard_id).split(":")[1])
         return self.first_expert <= expert < self.first_expert + self.num_local_experts
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None
+    ) -> None:
         """Copy expert E's whole `gate_proj`/`up_proj` `[intermediate, hidden]` or `down_proj` `[hidden,
         intermediate]` into its place; another rank's expert is skipped."""
         part, expert_text = str(shard_id).split(":")
@@ -141,7 +150,9 @@ class FusedExperts(nn.Module):
         start = self.tp.rank * size
         gate_or_up = part in ("gate", "up")
         expected = (
-            (self.intermediate_size, self.hidden_size) if gate_or_up else (self.hidden_size, self.intermediate_size)
+            (self.intermediate_size, self.hidden_size)
+            if gate_or_up
+            else (self.hidden_size, self.intermediate_size)
         )
         if tuple(loaded_weight.shape) != expected:
             raise WeightShapeError(loaded_weight.shape, expected)
@@ -153,7 +164,9 @@ class FusedExperts(nn.Module):
             target = param.data[local]
         target.copy_(source)
 
-    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
         """This rank's part of the routed output: a partial sum when experts are split over ranks."""
         return fused_moe(
             hidden,
@@ -207,7 +220,9 @@ class MoEDecoderLayer(DecoderLayer):
         assert config.moe is not None
         self.self_attn = self.attention_class(config, layer_index, options)
         self.mlp: nn.Module = (
-            MLP(config, options) if layer_index in config.moe.dense_layers else SparseMoeBlock(config, options)
+            MLP(config, options)
+            if layer_index in config.moe.dense_layers
+            else SparseMoeBlock(config, options)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
