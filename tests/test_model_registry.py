@@ -31,10 +31,13 @@ def config(arch: str, **fields) -> ModelConfig:
 
 def test_each_architecture_has_its_own_class():
     assert supported_architectures() == (
+        "DeepseekV3ForCausalLM",
+        "Glm4MoeForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
     )
     assert get_model_class("LlamaForCausalLM") is LlamaForCausalLM
     assert get_model_class("MistralForCausalLM") is MistralForCausalLM
@@ -45,7 +48,7 @@ def test_each_architecture_has_its_own_class():
 
 def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(
-        ModelLoadError, match="'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, Mis"
+        ModelLoadError, match="'GPT2LMHeadModel' is not supported; supported: DeepseekV3ForCausalLM, Glm"
     ):
         get_model_class("GPT2LMHeadModel")
 
