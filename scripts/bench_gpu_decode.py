@@ -115,7 +115,9 @@ def main() -> None:
     copy_bps = copy_bandwidth(device, args.copy_gib if device.type == "cuda" else 0.25)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}; backend {backend.name}; copy bandwidth {copy_bps / 1e9:.0f} GB/s")
-    print(f"model: {'tiny' if args.tiny else 'Llama-3-8B-shaped'}, {weight_bytes / 1e9:.2f} GB of weights read per step")
+    print(
+        f"model: {'tiny' if args.tiny else 'Llama-3-8B-shaped'}, {weight_bytes / 1e9:.2f} GB of weights read per step"
+    )
     rows = []
     for batch in batch_sizes:
         step = decode_step_input(batch, args.context, args.page_size)
@@ -123,16 +125,12 @@ def main() -> None:
         positions = torch.tensor(step.positions, device=device)
         logits_indices = torch.tensor(step.logits_indices, device=device)
 
-        def run() -> None:
-            metadata = backend.prepare(step)
-            model(ids, positions, AttentionContext(backend, metadata, pool), logits_indices)
-
         for _ in range(3):
-            run()
+            model(ids, positions, AttentionContext(backend, backend.prepare(step), pool), logits_indices)
         sync(device)
         start = time.perf_counter()
         for _ in range(args.steps):
-            run()
+            model(ids, positions, AttentionContext(backend, backend.prepare(step), pool), logits_indices)
         sync(device)
         step_s = (time.perf_counter() - start) / args.steps
         kv_bytes = batch * args.context * layout.bytes_per_page // args.page_size
@@ -147,7 +145,9 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"device": name, "copy_GBps": copy_bps / 1e9, "context": args.context, "rows": rows}, out)
+            json.dump(
+                {"device": name, "copy_GBps": copy_bps / 1e9, "context": args.context, "rows": rows}, out
+            )
 
 
 if __name__ == "__main__":

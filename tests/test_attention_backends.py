@@ -18,6 +18,7 @@ def _triton_backend() -> type[AttentionBackend]:
     pytest.importorskip("triton")
     return get_backend("triton")
 
+
 PAGE_SIZE = 4
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
@@ -31,7 +32,9 @@ def test_registry_selects_by_device_and_honours_the_override(monkeypatch):
     monkeypatch.setenv("HEARTH_ATTENTION_BACKEND", "torch_ref")
     assert select_backend("cpu") is TorchRefBackend
     assert select_backend("cpu", override="cpu") is CpuBackend
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*registered: cpu, torch_ref, triton"):
+    with pytest.raises(
+        ValueError, match="unknown attention backend 'flash'.*registered: cpu, torch_ref, triton"
+    ):
         get_backend("flash")
 
 

@@ -73,8 +73,16 @@ def test_paged_attention_mixed_rows_matches_reference(heads: int, kv_heads: int,
     q = torch.randn(sum(query_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
     out = paged_attention(
-        q.to(DEVICE), k_pool.to(DEVICE), v_pool.to(DEVICE), table.to(DEVICE), starts.to(DEVICE),
-        torch.tensor(context_lens, device=DEVICE), max(query_lens), scale, page_size, sliding_window=window,
+        q.to(DEVICE),
+        k_pool.to(DEVICE),
+        v_pool.to(DEVICE),
+        table.to(DEVICE),
+        starts.to(DEVICE),
+        torch.tensor(context_lens, device=DEVICE),
+        max(query_lens),
+        scale,
+        page_size,
+        sliding_window=window,
     )
     expected = reference_attention(q, dense, query_lens, scale, window)
     torch.testing.assert_close(out.cpu().double(), expected, atol=2e-5, rtol=2e-5)
@@ -88,9 +96,16 @@ def test_split_k_decode_matches_reference(num_splits: int | None, window: int | 
     k_pool, v_pool, table, dense = make_paged(context_lens, kv_heads, head_dim, page_size, torch.float32)
     q = torch.randn(len(context_lens), heads, head_dim, generator=torch.Generator().manual_seed(2))
     out = paged_decode(
-        q.to(DEVICE), k_pool.to(DEVICE), v_pool.to(DEVICE), table.to(DEVICE),
-        torch.tensor(context_lens, device=DEVICE), max(context_lens), scale, page_size,
-        sliding_window=window, num_splits=num_splits,
+        q.to(DEVICE),
+        k_pool.to(DEVICE),
+        v_pool.to(DEVICE),
+        table.to(DEVICE),
+        torch.tensor(context_lens, device=DEVICE),
+        max(context_lens),
+        scale,
+        page_size,
+        sliding_window=window,
+        num_splits=num_splits,
     )
     expected = reference_attention(q, dense, [1] * len(context_lens), scale, window)
     torch.testing.assert_close(out.cpu().double(), expected, atol=2e-5, rtol=2e-5)
@@ -107,8 +122,15 @@ def test_fp8_pool_is_dequantized_with_per_head_scales() -> None:
     args = (k_pool.to(DEVICE), v_pool.to(DEVICE), table.to(DEVICE))
     lens = torch.tensor(context_lens, device=DEVICE)
     out = paged_attention(
-        q.to(DEVICE), *args, starts.to(DEVICE), lens, max(query_lens), scale, page_size,
-        k_scale=k_scale.to(DEVICE), v_scale=v_scale.to(DEVICE),
+        q.to(DEVICE),
+        *args,
+        starts.to(DEVICE),
+        lens,
+        max(query_lens),
+        scale,
+        page_size,
+        k_scale=k_scale.to(DEVICE),
+        v_scale=v_scale.to(DEVICE),
     )
     expected = reference_attention(q, dense, query_lens, scale, k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(out.cpu().double(), expected, atol=1e-4, rtol=1e-4)
@@ -116,8 +138,15 @@ def test_fp8_pool_is_dequantized_with_per_head_scales() -> None:
     assert not torch.allclose(out.cpu().double(), unscaled, atol=1e-2)  # the scales were applied
     decode_q = q[[0]]
     decoded = paged_decode(
-        decode_q.to(DEVICE), *args[:2], table[:1].to(DEVICE), lens[:1], 12, scale, page_size,
-        k_scale=k_scale.to(DEVICE), v_scale=v_scale.to(DEVICE),
+        decode_q.to(DEVICE),
+        *args[:2],
+        table[:1].to(DEVICE),
+        lens[:1],
+        12,
+        scale,
+        page_size,
+        k_scale=k_scale.to(DEVICE),
+        v_scale=v_scale.to(DEVICE),
     )
     torch.testing.assert_close(decoded.cpu().double(), expected[[0]], atol=1e-4, rtol=1e-4)
 

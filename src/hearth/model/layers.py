@@ -321,7 +321,11 @@ class Attention(nn.Module):
         ):
             from hearth.ops.triton.elementwise import rotary_write_kv
 
-            return rotary_write_kv(qkv, cos, sin, self.num_heads, k_pool, v_pool, ctx.metadata.slot_mapping), None, None
+            return (
+                rotary_write_kv(qkv, cos, sin, self.num_heads, k_pool, v_pool, ctx.metadata.slot_mapping),
+                None,
+                None,
+            )
         fused = rotary_write_kv_kernel() if self.q_norm is None else None
         if (
             fused is not None

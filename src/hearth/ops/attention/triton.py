@@ -55,7 +55,10 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = kv_pool.layer(layer_index)
         k_scale, v_scale = _layer_scales(kv_pool, layer_index, k_cache.shape[1])
         table = metadata.page_table
-        if metadata.num_decode_rows == metadata.num_rows and metadata.max_seq_len >= SPLIT_K_MIN_CONTEXT_TOKENS:
+        if (
+            metadata.num_decode_rows == metadata.num_rows
+            and metadata.max_seq_len >= SPLIT_K_MIN_CONTEXT_TOKENS
+        ):
             return paged_decode(
                 q, k_cache, v_cache, table, metadata.seq_lens, metadata.max_seq_len, scale, self.page_size,
                 sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale,

@@ -16,7 +16,6 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-
 @functools.cache
 def _installed() -> bool:
     return triton_available()

@@ -19,11 +19,31 @@ import triton.language as tl
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-    scale, sliding_window,
-    stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_tok, stride_o_head, stride_pt_row,
-    NUM_QUERIES_PER_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PADDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SCALES: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    page_table_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale,
+    sliding_window,
+    stride_q_tok,
+    stride_q_head,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_pt_row,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -123,25 +143,66 @@ def paged_attention(
     grid = (num_rows, num_heads, triton.cdiv(max_query_len, block_m))
     has_scales = k_scale is not None
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, page_table, query_start_loc, seq_lens,
-        k_scale if has_scales else seq_lens, v_scale if has_scales else seq_lens,
-        scale, sliding_window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        page_table,
+        query_start_loc,
+        seq_lens,
+        k_scale if has_scales else seq_lens,
+        v_scale if has_scales else seq_lens,
+        scale,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
         page_table.stride(0),
-        NUM_QUERIES_PER_KV=num_heads // num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=_pow2(head_dim), BLOCK_M=block_m, BLOCK_N=32, HAS_SCALES=has_scales,
+        NUM_QUERIES_PER_KV=num_heads // num_kv_heads,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=_pow2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+        HAS_SCALES=has_scales,
     )
     return out
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, page_table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-    scale, sliding_window, keys_per_split,
-    stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head, stride_pt_row,
-    stride_po_row, stride_po_head, stride_po_split, stride_pl_row, stride_pl_head,
-    NUM_QUERIES_PER_KV: tl.constexpr, GROUP_PADDED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SCALES: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    page_table_ptr,
+    seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale,
+    sliding_window,
+    keys_per_split,
+    stride_q_tok,
+    stride_q_head,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_pt_row,
+    stride_po_row,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_row,
+    stride_pl_head,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    GROUP_PADDED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -189,9 +250,14 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))  # an empty split weighs nothing
+    lse = tl.where(
+        l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))
+    )  # an empty split weighs nothing
     tl.store(
-        part_out_ptr + row * stride_po_row + heads[:, None] * stride_po_head + split * stride_po_split
+        part_out_ptr
+        + row * stride_po_row
+        + heads[:, None] * stride_po_head
+        + split * stride_po_split
         + offs_d[None, :],
         acc,
         mask=g_valid[:, None] & d_valid[None, :],
@@ -201,9 +267,19 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    stride_po_row, stride_po_head, stride_po_split, stride_pl_row, stride_pl_head, stride_o_tok, stride_o_head,
-    NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr, HEAD_DIM: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_po_row,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_row,
+    stride_pl_head,
+    stride_o_tok,
+    stride_o_head,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PADDED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -211,20 +287,27 @@ def _decode_merge_kernel(
     offs_s = tl.arange(0, SPLITS_PADDED)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     s_valid = offs_s < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row * stride_pl_row + head * stride_pl_head + offs_s, mask=s_valid,
-                  other=float("-inf"))
+    lse = tl.load(
+        part_lse_ptr + row * stride_pl_row + head * stride_pl_head + offs_s, mask=s_valid, other=float("-inf")
+    )
     lse_max = tl.max(lse, 0)
     weights = tl.exp(lse - lse_max)
     weights = weights / tl.sum(weights, 0)
     parts = tl.load(
-        part_out_ptr + row * stride_po_row + head * stride_po_head + offs_s[:, None] * stride_po_split
+        part_out_ptr
+        + row * stride_po_row
+        + head * stride_po_head
+        + offs_s[:, None] * stride_po_split
         + offs_d[None, :],
         mask=s_valid[:, None] & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
     )
     merged = tl.sum(parts * weights[:, None], 0)
-    tl.store(out_ptr + row * stride_o_tok + head * stride_o_head + offs_d, merged.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + row * stride_o_tok + head * stride_o_head + offs_d,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def paged_decode(
@@ -262,19 +345,50 @@ def paged_decode(
     group = num_heads // num_kv_heads
     has_scales = k_scale is not None
     _decode_split_kernel[(num_rows, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, part_out, part_lse, page_table, seq_lens,
-        k_scale if has_scales else seq_lens, v_scale if has_scales else seq_lens,
-        scale, sliding_window or 0, keys_per_split,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        NUM_QUERIES_PER_KV=group, GROUP_PADDED=_pow2(group), PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=_pow2(head_dim), BLOCK_N=block_n, HAS_SCALES=has_scales,
+        q,
+        k_cache,
+        v_cache,
+        part_out,
+        part_lse,
+        page_table,
+        seq_lens,
+        k_scale if has_scales else seq_lens,
+        v_scale if has_scales else seq_lens,
+        scale,
+        sliding_window or 0,
+        keys_per_split,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        page_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        NUM_QUERIES_PER_KV=group,
+        GROUP_PADDED=_pow2(group),
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=_pow2(head_dim),
+        BLOCK_N=block_n,
+        HAS_SCALES=has_scales,
     )
     _decode_merge_kernel[(num_rows, num_heads)](
-        part_out, part_lse, out,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SPLITS_PADDED=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        part_out,
+        part_lse,
+        out,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=num_splits,
+        SPLITS_PADDED=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=_pow2(head_dim),
     )
     return out

@@ -10,8 +10,19 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps, stride_x, stride_r, stride_o, stride_s,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    sum_ptr,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -36,9 +47,19 @@ def rms_norm(
     summed = torch.empty_like(x) if residual is not None else x
     if num_tokens:
         _rms_norm_kernel[(num_tokens,)](
-            x, residual if residual is not None else x, weight, out, summed, eps,
-            x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0), summed.stride(0),
-            HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None,
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            summed,
+            eps,
+            x.stride(0),
+            (residual if residual is not None else x).stride(0),
+            out.stride(0),
+            summed.stride(0),
+            HIDDEN=hidden,
+            BLOCK=triton.next_power_of_2(hidden),
+            HAS_RESIDUAL=residual is not None,
         )
     return out, summed
 
@@ -51,8 +72,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, SIZE: tl.constexpr,
     gate = tl.load(x_ptr + row * stride_x + offs, mask=valid, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + SIZE + offs, mask=valid, other=0.0)
     activated = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded like F.silu
-    tl.store(out_ptr + row * stride_o + offs, (activated * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=valid)
+    tl.store(
+        out_ptr + row * stride_o + offs,
+        (activated * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
+        mask=valid,
+    )
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -70,9 +94,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotary_write_kv_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_pool_ptr, v_pool_ptr, slot_ptr,
-    stride_qkv, stride_cos, stride_sin, stride_q_tok, stride_q_head, stride_kv_slot, stride_kv_head,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PADDED: tl.constexpr,
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    slot_ptr,
+    stride_qkv,
+    stride_cos,
+    stride_sin,
+    stride_q_tok,
+    stride_q_head,
+    stride_kv_slot,
+    stride_kv_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)  # 0..heads-1: a query head; then the KV heads
@@ -121,10 +160,23 @@ def rotary_write_kv(
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens:
         _rotary_write_kv_kernel[(num_tokens, num_heads + num_kv_heads)](
-            qkv, cos, sin, q, k_pool, v_pool, slot_mapping,
-            qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1), k_pool.stride(0),
+            qkv,
+            cos,
+            sin,
+            q,
+            k_pool,
+            v_pool,
+            slot_mapping,
+            qkv.stride(0),
+            cos.stride(0),
+            sin.stride(0),
+            q.stride(0),
+            q.stride(1),
+            k_pool.stride(0),
             k_pool.stride(1),
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
             HALF_PADDED=triton.next_power_of_2(head_dim // 2),
         )
     return q

@@ -11,7 +11,13 @@ import triton.language as tl
 
 @triton.jit
 def _check_page_tags_kernel(
-    page_table_ptr, expected_ptr, num_pages_ptr, pool_tags_ptr, failed_ptr, stride_pt_row, stride_ex_row,
+    page_table_ptr,
+    expected_ptr,
+    num_pages_ptr,
+    pool_tags_ptr,
+    failed_ptr,
+    stride_pt_row,
+    stride_ex_row,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -35,8 +41,14 @@ def check_page_tags(
     failed = torch.zeros(num_rows, dtype=torch.bool, device=page_table.device)
     if num_rows:
         _check_page_tags_kernel[(num_rows,)](
-            page_table, expected_tags, num_pages, pool_tags, failed, page_table.stride(0),
-            expected_tags.stride(0), BLOCK=64,
+            page_table,
+            expected_tags,
+            num_pages,
+            pool_tags,
+            failed,
+            page_table.stride(0),
+            expected_tags.stride(0),
+            BLOCK=64,
         )
     return failed
 
