@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from hearth.distributed.state import ParallelState
+if TYPE_CHECKING:  # this module stays torch-free: EngineConfig checks its sizes with it
+    from hearth.distributed.state import ParallelState
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,19 @@ class ParallelConfig:
                 f"{self.nnodes} nodes"
             )
 
+    @classmethod
+    def from_engine_config(cls, config: object) -> ParallelConfig:
+        """The parallel options of an EngineConfig (`master_port` must be set by then)."""
+        return cls(
+            tp_size=config.tensor_parallel_size,  # type: ignore[attr-defined]
+            pp_size=config.pipeline_parallel_size,  # type: ignore[attr-defined]
+            expert_parallel=config.expert_parallel,  # type: ignore[attr-defined]
+            nnodes=config.nnodes,  # type: ignore[attr-defined]
+            node_rank=config.node_rank,  # type: ignore[attr-defined]
+            master_addr=config.master_addr,  # type: ignore[attr-defined]
+            master_port=config.master_port or 0,  # type: ignore[attr-defined]
+        )
+
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
@@ -57,6 +72,8 @@ class ParallelConfig:
         return range(start, start + self.ranks_per_node)
 
     def state_of(self, rank: int) -> ParallelState:
+        from hearth.distributed.state import ParallelState
+
         pp_rank, tp_rank = divmod(rank, self.tp_size)
         ep_size = self.tp_size if self.expert_parallel else 1
         return ParallelState(
