@@ -117,6 +117,7 @@ class DistributedExecutor:
     def __init__(self, config: EngineConfig, spec: WorkerSpec) -> None:
         self.parallel = parallel = ParallelConfig.from_engine_config(config)
         self._stopping = False
+        self._fatal_lock = threading.Lock()
         self._children: dict[int, subprocess.Popen[bytes]] = {
             rank: spawn_rank(rank, parallel, config.device) for rank in parallel.local_ranks[1:]
         }
@@ -160,6 +161,18 @@ class DistributedExecutor:
         except Exception as exc:
             self._fatal(f"a step failed across the ranks: {exc}")
 
+    def _exited_child(self, wait_s: float) -> str | None:
+        """Which child rank has exited, if one has within `wait_s`: the cause a failed collective reports."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, process in self._children.items():
+                code = process.poll()
+                if code is not None:
+                    return f"rank {rank} (pid {process.pid}) exited with status {code}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
     def shutdown(self) -> None:
         """Tells every rank to exit and waits for this node's; idempotent."""
         if self._stopping:
@@ -181,10 +194,16 @@ class DistributedExecutor:
             time.sleep(WATCH_INTERVAL_S)
 
     def _fatal(self, reason: str) -> Any:
-        logger.critical("%s; stopping every rank and exiting", reason)
-        self._stopping = True
-        for process in self._children.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGKILL)
-        logging.shutdown()
-        os._exit(1)
+        with self._fatal_lock:  # the watcher and a failed step may both get here; one reports
+            self._stopping = True
+            if not reason.startswith("rank "):
+                # A collective fails as soon as a peer's connection drops; name the rank that died.
+                cause = self._exited_child(WATCH_INTERVAL_S * 5)
+                if cause is not None:
+                    reason = f"{cause} ({reason})"
+            logger.critical("%s; stopping every rank and exiting", reason)
+            for process in self._children.values():
+                if process.poll() is None:
+                    process.send_signal(signal.SIGKILL)
+            logging.shutdown()
+            os._exit(1)
