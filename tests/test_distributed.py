@@ -100,8 +100,17 @@ def test_cli_flags_reach_the_engine_config():
         "--node-rank 1 --master-addr 10.0.0.1 --master-port 29999".split()
     )
     config = EngineConfig.from_cli_args(args)
-    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_parallel) == (2, 2, True)
-    assert (config.nnodes, config.node_rank, config.master_addr, config.master_port) == (2, 1, "10.0.0.1", 29999)
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.expert_parallel) == (
+        2,
+        2,
+        True,
+    )
+    assert (config.nnodes, config.node_rank, config.master_addr, config.master_port) == (
+        2,
+        1,
+        "10.0.0.1",
+        29999,
+    )
 
 
 # ---- one process: shards whose partial results add up ----------------------------------------------
@@ -180,7 +189,16 @@ def test_two_nodes_on_loopback_give_the_tokens_of_one_rank(tiny_model_factory):
     port = free_port()
     node_options = f"--tensor-parallel-size 2 --nnodes 2 --master-port {port} --device cpu".split()
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "hearth.distributed.node", "--model", str(model_dir), "--node-rank", "1", *node_options],
+        [
+            sys.executable,
+            "-m",
+            "hearth.distributed.node",
+            "--model",
+            str(model_dir),
+            "--node-rank",
+            "1",
+            *node_options,
+        ],
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -74,7 +74,14 @@ def build_worker(spec: WorkerSpec, parallel: ParallelConfig) -> Worker:
     dtype = getattr(torch, spec.dtype)
     layout = kv_layout_for(config, model_config, dtype)
     return Worker(
-        config, model_config, dtype, layout, spec.num_pages, spec.max_model_len, spec.sample_vocab_size, spec.eos_token_ids
+        config,
+        model_config,
+        dtype,
+        layout,
+        spec.num_pages,
+        spec.max_model_len,
+        spec.sample_vocab_size,
+        spec.eos_token_ids,
     )
 
 

@@ -25,7 +25,9 @@ logger = logging.getLogger("hearth.distributed")
 def run_node(config: EngineConfig) -> int:
     parallel = ParallelConfig.from_engine_config(config)
     if config.master_port is None:
-        raise ValueError("a node other than node 0 needs --master-port (and --master-addr): node 0's rendezvous")
+        raise ValueError(
+            "a node other than node 0 needs --master-port (and --master-addr): node 0's rendezvous"
+        )
     children: dict[int, subprocess.Popen[bytes]] = {
         rank: spawn_rank(rank, parallel, config.device) for rank in parallel.local_ranks
     }

@@ -51,6 +51,24 @@ def serve(rank: int) -> None:
         output = worker.execute(decoder.decode(data))
         if sends_output:
             send_bytes(encoder.encode(output), 0)
+    log_rank_report(rank, worker)
+
+
+def log_rank_report(rank: int, worker: object) -> None:
+    """What this rank held and sent (scripts/measure_parallel.py reads the line)."""
+    import json
+    import resource
+
+    from hearth.distributed.state import COMM_BYTES
+
+    model = worker.model  # type: ignore[attr-defined]
+    report = {
+        "rank": rank,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "comm_bytes": dict(COMM_BYTES),
+    }
+    logger.info("rank report %s", json.dumps(report))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,7 +68,9 @@ def parallel_state() -> ParallelState:
     return _STATE
 
 
-def set_parallel_state(state: ParallelState, tp_group: object | None = None, ep_group: object | None = None) -> None:
+def set_parallel_state(
+    state: ParallelState, tp_group: object | None = None, ep_group: object | None = None
+) -> None:
     """Install this process's place and groups (torch.distributed process groups); called once per rank."""
     global _STATE, _TP_GROUP, _EP_GROUP
     _STATE, _TP_GROUP, _EP_GROUP = state, tp_group, ep_group
@@ -110,7 +112,9 @@ def send_to_next_stage(x: torch.Tensor) -> None:
     torch.distributed.send(x.contiguous(), state.global_rank(state.pp_rank + 1, state.tp_rank))
 
 
-def recv_from_previous_stage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def recv_from_previous_stage(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     state = _STATE
     x = torch.empty(shape, dtype=dtype, device=device)
     torch.distributed.recv(x, state.global_rank(state.pp_rank - 1, state.tp_rank))

@@ -91,14 +91,18 @@ def rank_kv_heads(num_kv_heads: int, tp_size: int) -> int:
     return max(1, num_kv_heads // tp_size)
 
 
-def split_layers(costs: Sequence[float], num_stages: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[range]:
+def split_layers(
+    costs: Sequence[float], num_stages: int, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[range]:
     """Contiguous stages of layers whose largest total cost is the smallest possible (the pipeline runs
     at the pace of its slowest stage). `first_extra` / `last_extra` are what the first stage (the
     embedding) and the last (final norm and LM head) carry besides their layers. Every stage gets at
     least one layer. Exact dynamic programme: O(stages x layers^2), nothing for real layer counts."""
     num_layers = len(costs)
     if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"{num_stages} pipeline stages need at least as many layers; the model has {num_layers}")
+        raise ValueError(
+            f"{num_stages} pipeline stages need at least as many layers; the model has {num_layers}"
+        )
     prefix = [0.0]
     for cost in costs:
         prefix.append(prefix[-1] + cost)

@@ -27,7 +27,9 @@ class LazyTensor:
     def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
         dim %= len(self.shape)
         if not 0 <= start <= start + length <= self.shape[dim]:
-            raise IndexError(f"narrow({dim}, {start}, {length}) is outside a tensor of shape {tuple(self.shape)}")
+            raise IndexError(
+                f"narrow({dim}, {start}, {length}) is outside a tensor of shape {tuple(self.shape)}"
+            )
         base = self._index[dim].start
         index = list(self._index)
         index[dim] = slice(base + start, base + start + length)

@@ -15,8 +15,8 @@ from torch import nn
 
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.decoder import CausalLM, MissingLayer
-from hearth.model.lazy_tensor import LOADED_BYTES, LazyTensor
 from hearth.model.layers import LayerOptions
+from hearth.model.lazy_tensor import LOADED_BYTES, LazyTensor
 from hearth.model.quantization import get_quantization_method
 from hearth.model.registry import get_model_class
 from hearth.model.rotary import build_cos_sin_table

@@ -35,7 +35,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
         set_weight_attrs(self.weight, weight_loader=self.weight_loader, lazy_loading=True)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None
+    ) -> None:
         if tuple(loaded_weight.shape) != (self.vocab_size, self.hidden_size):
             raise WeightShapeError(loaded_weight.shape, (self.vocab_size, self.hidden_size))
         rows = loaded_weight.narrow(0, self.vocab_start, self.num_real_rows)
