@@ -168,19 +168,19 @@ class CausalLM(nn.Module):
         if model.is_first_stage:
             hidden = model.embed_tokens(token_ids)
             residual = None
-        else:  # (hidden, residual) of every token, from the stage before
-            stream = recv_from_previous_stage(
-                (2, token_ids.shape[0], self.config.hidden_size), self.dtype, token_ids.device
+        else:  # the residual stream after the stage before (its last layer's output added in)
+            hidden = recv_from_previous_stage(
+                (token_ids.shape[0], self.config.hidden_size), self.dtype, token_ids.device
             )
-            hidden, residual = stream[0], stream[1]
+            residual = None
         cos, sin = self.cos_sin[positions].to(hidden.dtype).chunk(2, dim=-1)
         kv_pool = ctx.kv_pool
         first = model.first_layer
         for index in range(first, model.end_layer):
             hidden, residual = model.layers[index](hidden, residual, cos, sin, kv_pool.layer(index - first), ctx)
         if not model.is_last_stage:
-            assert residual is not None  # every stage holds at least one layer
-            send_to_next_stage(torch.stack((hidden, residual)))
+            # One tensor, not two: the next layer's norm needs only the sum, the same add it would do.
+            send_to_next_stage(hidden if residual is None else hidden + residual)
             return None
         hidden = hidden[logits_indices]
         hidden = (
