@@ -68,8 +68,12 @@ def rank_threads(config: EngineConfig, parallel: ParallelConfig) -> int:
     return config.num_threads or max(1, len(os.sched_getaffinity(0)) // parallel.ranks_per_node)
 
 
-def build_worker(spec: WorkerSpec, parallel: ParallelConfig) -> Worker:
-    config = dataclasses.replace(spec.config, num_threads=rank_threads(spec.config, parallel))
+def build_worker(spec: WorkerSpec, parallel: ParallelConfig, rank: int) -> Worker:
+    config = dataclasses.replace(
+        spec.config,
+        num_threads=rank_threads(spec.config, parallel),
+        load_progress=spec.config.load_progress and rank == 0,  # one progress bar, not one per rank
+    )
     model_config = ModelConfig.from_dir(config.model)
     dtype = getattr(torch, spec.dtype)
     layout = kv_layout_for(config, model_config, dtype)
@@ -135,7 +139,7 @@ class DistributedExecutor:
         self._decoder = msgspec.msgpack.Decoder(StepOutput)
         try:
             broadcast_bytes(self._encoder.encode(spec))
-            self.worker = build_worker(spec, parallel)
+            self.worker = build_worker(spec, parallel, 0)
             dist.barrier(group=control_group())  # every rank has its shard
         except Exception as exc:
             self._fatal(f"the ranks could not start: {exc}")

@@ -42,7 +42,7 @@ def serve(rank: int) -> None:
     """Steps until rank 0 says stop; the sampling rank sends its outputs to rank 0."""
     spec = msgspec.msgpack.decode(broadcast_bytes(None) or b"", type=WorkerSpec)
     parallel_config = ParallelConfig.from_engine_config(spec.config)
-    worker = build_worker(spec, parallel_config)
+    worker = build_worker(spec, parallel_config, rank)
     dist.barrier(group=control_group())
     decoder = msgspec.msgpack.Decoder(StepInput)
     encoder = msgspec.msgpack.Encoder()
