@@ -29,7 +29,11 @@ def main() -> None:
             while True:
                 llm.generate(PROMPTS, params)
         results = llm.generate(PROMPTS, params)
-        print(json.dumps({"layout": layout, "tokens": [r.token_ids for r in results]}), flush=True)
+        tag = llm.engine._kv_layout_tag
+        print(
+            json.dumps({"layout": layout, "tokens": [r.token_ids for r in results], "kv_tag": tag}),
+            flush=True,
+        )
         shutdown = getattr(worker, "shutdown", None)
         if shutdown is not None:
             shutdown()

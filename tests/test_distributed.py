@@ -43,7 +43,10 @@ def one_rank_tokens(model_dir: Path) -> list[list[int]]:
     return [r.token_ids for r in llm.generate(PROMPTS, params)]
 
 
-def run_layouts(model_dir: Path, layouts: list[dict], timeout_s: float = 600) -> list[list[list[int]]]:
+def run_layouts(
+    model_dir: Path, layouts: list[dict], timeout_s: float = 600, kv_tags: list[str] | None = None
+) -> list[list[list[int]]]:
+    """Greedy tokens under each layout, from a process of their own; `kv_tags` collects the KV layout tags."""
     done = subprocess.run(
         [sys.executable, str(SCRIPT), str(model_dir), json.dumps(layouts)],
         capture_output=True,
@@ -54,6 +57,8 @@ def run_layouts(model_dir: Path, layouts: list[dict], timeout_s: float = 600) ->
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [line["layout"] for line in lines] == layouts
+    if kv_tags is not None:
+        kv_tags.extend(line["kv_tag"] for line in lines)
     return [line["tokens"] for line in lines]
 
 
@@ -169,9 +174,14 @@ def test_a_pipeline_stage_holds_and_reads_only_its_layers(tiny_model_factory):
 def test_tensor_and_pipeline_parallel_give_the_tokens_of_one_rank(tiny_model_factory):
     model_dir = tiny_model_factory("qwen2", num_hidden_layers=4)  # q/k/v biases, 4 layers
     expected = one_rank_tokens(model_dir)
-    tp, pp = run_layouts(model_dir, [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+    tags: list[str] = []
+    tp, pp = run_layouts(
+        model_dir, [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], kv_tags=tags
+    )
     assert tp == expected
     assert pp == expected
+    # Each layout's pages have keys of their own (one KV head per TP rank; two layers per stage).
+    assert tags == ["mha/float32/p16/h1x16/l4/tp2pp1ep1", "mha/float32/p16/h2x16/l2/tp1pp2ep1"]
 
 
 @pytest.mark.slow
