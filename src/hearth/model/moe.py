@@ -23,6 +23,7 @@ from hearth.distributed.state import all_reduce_ep, all_reduce_tp, parallel_stat
 from hearth.model.config import ModelConfig, ModelLoadError, MoEConfig
 from hearth.model.decoder import CausalLM
 from hearth.model.layers import ACTIVATIONS, MLP, Attention, DecoderLayer, LayerOptions, RMSNorm
+from hearth.model.lazy_tensor import LazyTensor, materialize
 from hearth.model.weights import ShardId, TPRank, WeightShapeError, divide, set_weight_attrs
 from hearth.ops.moe import fused_moe
 
@@ -123,12 +124,14 @@ class FusedExperts(nn.Module):
             self.gate_up_proj,
             weight_loader=self.weight_loader,
             holds_shard=self.holds_shard,
+            lazy_loading=True,  # the loader hands a LazyTensor: other ranks' experts are never read
             shard_ids=tuple(expert_shard_id(part, e) for e in local for part in ("gate", "up")),
         )
         set_weight_attrs(
             self.down_proj,
             weight_loader=self.weight_loader,
             holds_shard=self.holds_shard,
+            lazy_loading=True,  # the loader hands a LazyTensor: other ranks' experts are never read
             shard_ids=tuple(expert_shard_id("down", e) for e in local),
         )
 
@@ -138,7 +141,7 @@ class FusedExperts(nn.Module):
         return self.first_expert <= expert < self.first_expert + self.num_local_experts
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None
+        self, param: nn.Parameter, loaded_weight: torch.Tensor | LazyTensor, shard_id: ShardId | None
     ) -> None:
         """Copy expert E's whole `gate_proj`/`up_proj` `[intermediate, hidden]` or `down_proj` `[hidden,
         intermediate]` into its place; another rank's expert is skipped."""
@@ -162,7 +165,7 @@ class FusedExperts(nn.Module):
         else:
             source = loaded_weight.narrow(1, start, size)
             target = param.data[local]
-        target.copy_(source)
+        target.copy_(materialize(source))
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
