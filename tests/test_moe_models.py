@@ -98,3 +98,27 @@ def test_deepseek_multi_token_prediction_layers_are_not_loaded(tiny_model_factor
     assert llm.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0].token_ids == hf_greedy(
         source, prompt, 6
     )
+
+
+@pytest.mark.parametrize(
+    ("arch", "layouts"),
+    [
+        ("qwen3_moe", [{"tensor_parallel_size": 2, "expert_parallel": True}, {"tensor_parallel_size": 2}]),
+        (
+            "deepseek_v3",
+            [{"tensor_parallel_size": 2, "expert_parallel": True}, {"pipeline_parallel_size": 2}],
+        ),
+    ],
+    ids=["qwen3moe-ep2-tp2", "dsv3-ep2-pp2"],
+)
+def test_moe_parallel_layouts_give_the_one_rank_tokens(tiny_model_factory, arch, layouts):
+    """EP=2 (experts split, routed output all-reduced), TP=2 (experts' intermediate dim split; MLA heads
+    split, the latent whole on each rank) and PP=2 give the greedy tokens of one rank (gloo, 2 processes)."""
+    from test_distributed import one_rank_tokens, run_layouts
+
+    model_dir = tiny_model_factory(arch)
+    kv_tags: list[str] = []
+    expected = one_rank_tokens(model_dir)
+    for tokens in run_layouts(model_dir, layouts, kv_tags=kv_tags):
+        assert tokens == expected
+    assert all(tag.startswith("latent/" if arch == "deepseek_v3" else "mha/") for tag in kv_tags)
