@@ -97,6 +97,9 @@ class AsyncEngine:
             ],
             stdin=subprocess.DEVNULL,
             env=_core_environment(),
+            # Its own session: a terminal's Ctrl-C reaches only this process, which stops the core in
+            # order (a SIGINT to both killed the core mid-import with a traceback while the model loaded).
+            start_new_session=True,
         )
         logger.info(
             "engine core process started (pid %d, %d torch threads)",
@@ -179,13 +182,13 @@ class AsyncEngine:
                 self._processor.abort(request_id, "aborted by the client")
                 self._send(AbortRequests([request_id], "aborted by the client"))
 
-    async def abort(self, request_id: str) -> None:
-        """Ends the request's stream now with an "abort" output; the core frees its pages."""
-        output = self._processor.abort(request_id, "aborted by the client")
+    async def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
+        """Ends the request's stream now with an "abort" output saying `reason`; the core frees its pages."""
+        output = self._processor.abort(request_id, reason)
         queue = self._streams.pop(request_id, None)
         if queue is not None and output is not None:
             queue.put_nowait(output)
-        self._send(AbortRequests([request_id], "aborted by the client"))
+        self._send(AbortRequests([request_id], reason))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stops the core (what still runs ends with "abort") and waits for it to exit; idempotent."""
