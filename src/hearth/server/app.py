@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hearth.server.admission import AdmissionController
 from hearth.server.chat_template import ChatTemplate, ChatTemplateError, content_chars, normalize_messages
-from hearth.server.disconnect import CLIENT_GONE
+from hearth.server.disconnect import QuietDisconnectMiddleware
 from hearth.server.errors import APIError, bad_request, error_body, from_validation_error
 from hearth.server.limits import read_body
 from hearth.server.metrics import ServerMetrics
@@ -159,6 +159,7 @@ def build_app(
     app.state.hearth = state
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(QuietDisconnectMiddleware)  # added last: outermost of ours
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
@@ -171,9 +172,6 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:
-        if isinstance(exc, CLIENT_GONE):
-            logger.debug("client left: %r", exc)
-            return Response(status_code=499)  # nobody reads it; the status is for the access log
         logger.exception("unhandled error", exc_info=exc)
         return JSONResponse(
             error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500

@@ -12,12 +12,27 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.utils import ClientDisconnected
 
 logger = logging.getLogger("hearth.server")
 
 # What sending to (or reading from) a client that has gone raises. Clients leave all the time: a debug
 # line, not an ERROR traceback (3,000 disconnects used to write 22 MB of them).
-CLIENT_GONE = (ClientDisconnect, ConnectionError, OSError)
+CLIENT_GONE = (ClientDisconnect, ClientDisconnected, ConnectionError)
+
+
+class QuietDisconnectMiddleware:
+    """A client that left while its request was read or answered ends the request with a debug line; past
+    this middleware it would be an "Exception in ASGI application" ERROR with a traceback."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except CLIENT_GONE as exc:
+            logger.debug("client left: %r", exc)
 
 
 class StreamingResponseWithCleanup(StreamingResponse):
