@@ -5,6 +5,7 @@ shutdown. One real server on the demo checkpoint; the last test shuts it down un
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hearth.server.cli import DEFAULT_MODEL_DIR
-from hearth.server.process import ServerProcess
+from hearth.server.process import ServerProcess, free_port
 
 API_KEY = "k"
 SHUTDOWN_TIMEOUT_S = 2.0
@@ -241,6 +242,67 @@ def test_a_port_in_use_is_reported_before_loading(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "cannot listen on 127.0.0.1" in result.stderr and "in use" in result.stderr
     assert "could not load" not in result.stderr
+
+
+# ---- operations: the Grafana dashboard uses only exported metrics ---------------------------------
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "hearth.json"
+_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("_sum", "_count"),
+}
+
+
+def _exported_names(exposition: str) -> set[str]:
+    """Every series name a Prometheus scrape of this text can return, from its `# TYPE` lines (so labelled
+    metrics with no sample yet count too)."""
+    names = set()
+    for line in exposition.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            base = name.removesuffix("_total") if kind == "counter" else name
+            names.add(name)
+            names.update(base + suffix for suffix in _SUFFIXES.get(kind, ()))
+    return names
+
+
+def _dashboard_expressions() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    expressions += [v["query"] for v in dashboard["templating"]["list"] if v.get("type") == "query"]
+    return expressions
+
+
+def test_every_dashboard_expression_uses_metrics_the_server_and_router_export(
+    server: ServerProcess, http: httpx.Client, tmp_path: Path
+) -> None:
+    router_port = free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "hearth.cli", "route", "--port", str(router_port), "--worker", server.url],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{router_port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                router_metrics = httpx.get(base + "/metrics", timeout=2).text
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "router did not start"
+                time.sleep(0.2)
+    finally:
+        router.terminate()
+        router.wait(10)
+    exported = _exported_names(http.get("/metrics").text) | _exported_names(router_metrics)
+    expressions = _dashboard_expressions()
+    assert len(expressions) >= 15
+    for expression in expressions:
+        used = set(re.findall(r"\bhearth_[a-z0-9_]+", expression))
+        assert used, f"no Hearth metric in {expression!r}"
+        assert used <= exported, f"{sorted(used - exported)} in {expression!r} are not exported"
 
 
 # ---- shutdown: runs last, it stops the module's server -------------------------------------------
