@@ -363,7 +363,23 @@ def _core_environment() -> dict[str, str]:
     """
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for name, value in CORE_MEMORY_ENVIRONMENT.items():
+        env.setdefault(name, value)
     return env
+
+
+# Keep the core's RSS flat under a long mixed load (issue 19: x1.7-1.8 after warm-up without these).
+# glibc raises its mmap threshold after each large free until activations of every batch size live in
+# the heap, fragmented and never returned; a fixed threshold sends them back to the OS when freed, and
+# two arenas bound the per-thread heaps OpenMP threads would each grow. oneDNN keeps a primitive (and its
+# scratch memory) per matmul shape, and every new token count is a new shape: its cache is bounded to the
+# few dozen shapes a step mix reuses. Each can be overridden from the environment.
+CORE_MEMORY_ENVIRONMENT = {
+    "MALLOC_ARENA_MAX": "2",
+    "MALLOC_MMAP_THRESHOLD_": str(1024 * 1024),
+    "MALLOC_TRIM_THRESHOLD_": str(4 * 1024 * 1024),
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64",
+}
 
 
 def _describe_exit(code: int) -> str:
