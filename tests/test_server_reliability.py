@@ -5,7 +5,9 @@ shutdown. One real server on the demo checkpoint; the last test shuts it down un
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -242,6 +244,32 @@ def test_a_port_in_use_is_reported_before_loading(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "cannot listen on 127.0.0.1" in result.stderr and "in use" in result.stderr
     assert "could not load" not in result.stderr
+
+
+def test_ctrl_c_while_loading_stops_cleanly(tmp_path: Path) -> None:
+    # A terminal's Ctrl-C signals the whole foreground process group: the server and its engine core.
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hearth.cli", "serve", "--model", str(DEFAULT_MODEL_DIR), "--port", "0"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group, so the test signals only its own processes
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while "engine core process started" not in log_path.read_text():
+                assert time.monotonic() < deadline and process.poll() is None, log_path.read_text()
+                time.sleep(0.05)
+            os.killpg(process.pid, signal.SIGINT)
+            code = process.wait(60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    output = log_path.read_text()
+    assert code == 0, output
+    assert "stopped before the model finished loading" in output
+    assert "Traceback" not in output and "could not load" not in output, output
 
 
 # ---- operations: the Grafana dashboard uses only exported metrics ---------------------------------

@@ -29,7 +29,8 @@ LARGE_TEXT_CHARS = 32_768
 # Normalizers (NFKC) can shrink text, e.g. a 3-byte full-width letter to 1 byte; the bound allows for it.
 _NORMALIZATION_SLACK = 4
 # Placeholders for special-token text found in message content: a private-use character, the literal's
-# index, another private-use character. The first one itself is escaped when a client sends it.
+# index, another private-use character. The first one itself is escaped when a client sends it (with the
+# index one past the special tokens').
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _PLACEHOLDER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 
@@ -67,9 +68,13 @@ class PromptTokenizer:
         self._literal = HFTokenizer.from_str(backend.to_str())
         self._literal.encode_special_tokens = True
         added = backend.get_added_tokens_decoder()
-        texts = sorted({token.content for token in added.values() if token.content}, key=len, reverse=True)
-        self._special_texts = [*texts, _OPEN]
-        self._special_pattern = re.compile("|".join(re.escape(text) for text in self._special_texts))
+        # Longest first, so a special that contains another is replaced whole.
+        self._special_texts = sorted(
+            {token.content for token in added.values() if token.content and _OPEN not in token.content},
+            key=len,
+            reverse=True,
+        )
+        self._open_placeholder = f"{_OPEN}{len(self._special_texts)}{_CLOSE}"  # stands for _OPEN itself
 
     # ---- limits --------------------------------------------------------------------------------------
 
@@ -109,15 +114,27 @@ class PromptTokenizer:
         if self.allow_special_tokens_in_content:
             return value
         if isinstance(value, str):
-            return self._special_pattern.sub(self._placeholder, value)
+            return self._escape_text(value)
         if isinstance(value, dict):
             return {key: self.escape_specials(item) if key != "role" else item for key, item in value.items()}
         if isinstance(value, list):
             return [self.escape_specials(item) for item in value]
         return value
 
-    def _placeholder(self, match: re.Match[str]) -> str:
-        return f"{_OPEN}{self._special_texts.index(match.group(0))}{_CLOSE}"
+    def _escape_text(self, text: str) -> str:
+        # str.replace and `in` are C loops over the text; a regex alternation of a few hundred added tokens
+        # took about a second per MB with the GIL held. _OPEN is escaped first by splitting on it, so the
+        # placeholders inserted afterwards are never themselves escaped.
+        pieces = text.split(_OPEN)
+        for k, piece in enumerate(pieces):
+            for index, special in enumerate(self._special_texts):
+                if special in piece:
+                    piece = piece.replace(special, f"{_OPEN}{index}{_CLOSE}")
+            pieces[k] = piece
+        return self._open_placeholder.join(pieces)
+
+    def _literal_text(self, index: int) -> str:
+        return _OPEN if index == len(self._special_texts) else self._special_texts[index]
 
     def encode_chat(self, prompt: str) -> list[int]:
         """A rendered chat prompt as token ids: the template's own special tokens are control tokens; the
@@ -128,7 +145,7 @@ class PromptTokenizer:
         ids: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
-                literal = self._special_texts[int(part)]
+                literal = self._literal_text(int(part))
                 ids.extend(self._literal.encode(literal, add_special_tokens=False).ids)
             elif part:
                 ids.extend(self.encode_now(part, add_special_tokens=False))
