@@ -25,16 +25,18 @@ def _render(messages: list[dict]) -> str:  # a ChatML template, as the demo mode
 
 
 def test_the_bound_never_exceeds_the_real_token_count(prompts: PromptTokenizer) -> None:
-    for text in ("hello world " * 500, "日本語のテキスト" * 300, "<|im_start|>" * 100, "x" * 20_000):
+    longest = max(prompts.tokenizer.backend.get_vocab(with_added_tokens=True), key=len)
+    samples = ("hello world " * 500, "日本語のテキスト" * 300, "<|im_start|>" * 100, "x" * 20_000, " " * 9000)
+    for text in (*samples, longest * 50):
         assert prompts.min_tokens(len(text)) <= len(prompts.tokenizer.encode(text))
 
 
 def test_a_text_that_can_never_fit_is_refused_without_tokenizing(prompts: PromptTokenizer) -> None:
-    too_long = prompts.max_token_bytes * 4 * 4096
+    too_long = prompts.max_token_chars * 4096  # the demo tokenizer has no normalizer: no slack
     with pytest.raises(APIError) as excinfo:
         prompts.check_fits(too_long, "prompt")
     assert excinfo.value.code == "context_length_exceeded" and excinfo.value.param == "prompt"
-    prompts.check_fits(too_long - prompts.max_token_bytes * 4, "prompt")  # could still fit: no error
+    prompts.check_fits(too_long - prompts.max_token_chars, "prompt")  # could still fit: no error
 
 
 def test_plain_conversations_tokenize_exactly_as_before(prompts: PromptTokenizer) -> None:

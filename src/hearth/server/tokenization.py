@@ -1,8 +1,9 @@
 """Tokenization the server does for clients, with the limits that keep one request from hurting the others.
 
 - A prompt that can never fit the context is refused (400 `context_length_exceeded`) from its length in
-  characters, before anything is rendered or tokenized: every token stands for at most
-  `max_token_bytes` bytes of text, so a text of C characters has at least C / max_token_bytes tokens.
+  characters, before anything is rendered or tokenized: every token stands for at most `max_token_chars`
+  characters of text, so a text of C characters has at least C / max_token_chars tokens (divided by a
+  slack when a normalizer could shorten the text first).
 - Large texts are tokenized on a worker thread through `encode_batch`, which releases the GIL while the
   Rust tokenizer runs (a single `encode` holds it: a 9 MB prompt froze every stream for 9-19 s).
 - Text that spells a special token (`<|im_start|>`) inside a chat message is tokenized as text, not as the
@@ -26,7 +27,8 @@ T = TypeVar("T")
 
 # Below this many characters a text is tokenized on the event loop: a thread hop costs more than it saves.
 LARGE_TEXT_CHARS = 32_768
-# Normalizers (NFKC) can shrink text, e.g. a 3-byte full-width letter to 1 byte; the bound allows for it.
+# Composing normalizers (NFC, NFKC) can shorten text, e.g. three Hangul jamo to one syllable; with a
+# normalizer the bound allows for that.
 _NORMALIZATION_SLACK = 4
 # Placeholders for special-token text found in message content: a private-use character, the literal's
 # index, another private-use character. The first one itself is escaped when a client sends it (with the
@@ -45,11 +47,12 @@ def context_exceeded(num_tokens: int | None, max_model_len: int, param: str) -> 
     )
 
 
-def _max_token_bytes(backend: HFTokenizer) -> int:
-    # A vocabulary entry's UTF-8 length bounds the bytes its token stands for: byte-level BPE writes one
-    # character per byte (some take two bytes in UTF-8), SentencePiece writes "▁" (3 bytes) for a space.
+def _max_token_chars(backend: HFTokenizer) -> int:
+    # A vocabulary entry's length bounds the characters of text its token stands for: byte-level BPE
+    # writes one character per byte (a text character is at least one byte), SentencePiece writes "▁" for
+    # a space and "<0xE6>" for a byte. (Pre-tokenizers that drop whitespace, as BERT's do, are not counted.)
     vocab = backend.get_vocab(with_added_tokens=True)
-    return max((len(piece.encode()) for piece in vocab), default=1) or 1
+    return max((len(piece) for piece in vocab), default=1) or 1
 
 
 class PromptTokenizer:
@@ -63,7 +66,8 @@ class PromptTokenizer:
         self.max_model_len = max_model_len
         self.allow_special_tokens_in_content = allow_special_tokens_in_content
         backend = tokenizer.backend
-        self.max_token_bytes = _max_token_bytes(backend)
+        self.max_token_chars = _max_token_chars(backend)
+        self._slack = 1 if backend.normalizer is None else _NORMALIZATION_SLACK
         # The same tokenizer with special-token matching off: for special-token text that came from a client.
         self._literal = HFTokenizer.from_str(backend.to_str())
         self._literal.encode_special_tokens = True
@@ -80,7 +84,7 @@ class PromptTokenizer:
 
     def min_tokens(self, num_chars: int) -> int:
         """A lower bound on the tokens of any text of `num_chars` characters."""
-        return num_chars // (self.max_token_bytes * _NORMALIZATION_SLACK)
+        return num_chars // (self.max_token_chars * self._slack)
 
     def check_fits(self, num_chars: int, param: str) -> None:
         """400 `context_length_exceeded` when a text this long can never fit, without tokenizing it."""
