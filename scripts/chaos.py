@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -197,6 +198,11 @@ def fuzz_request(rng: random.Random) -> tuple[str, bytes]:
                     {"type": "grammar"},
                 ]
             )
+    unbounded = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+    if isinstance(body, dict) and endpoint == "/v1/chat/completions" and unbounded:
+        # Without a bound a chat answer may run to the end of the context (thousands of tokens on a busy
+        # CPU): slow, not hung. Keep every fuzzed answer short.
+        body.setdefault("max_completion_tokens", 16)
     data = json.dumps(body).encode()
     if rng.random() < 0.05:
         data = data[: rng.randint(0, len(data))]  # truncated JSON
@@ -212,6 +218,7 @@ async def _send(client: httpx.AsyncClient, path: str, body: bytes, row: Row) -> 
         response = await client.post(path, content=body, headers={"content-type": "application/json"})
     except httpx.TimeoutException:
         row.hangs += 1
+        row.notes.append(f"hung: {path} {body[:200]!r}")
         return None
     except httpx.TransportError as exc:
         row.crashes += 1
@@ -366,53 +373,80 @@ async def phase_burst(server: ServerProcess, count: int) -> Row:
     return _finish(row)
 
 
+def _watch_stalls(
+    server: ServerProcess, stop: threading.Event, gaps: list[float], health_s: list[float]
+) -> None:
+    """On threads of their own (so this script's event loop, busy sending the big body, is not measured):
+    a stream's gaps between chunks, restarted whenever it ends, and /health's latency."""
+
+    def stream() -> None:
+        with httpx.Client(base_url=server.url, headers=HEADERS, timeout=CLIENT_TIMEOUT_S) as client:
+            while not stop.is_set():
+                body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+                with client.stream("POST", "/v1/completions", json=body) as response:
+                    last = None
+                    for _ in response.iter_lines():
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+                        if stop.is_set():
+                            break
+
+    def probe() -> None:
+        with httpx.Client(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
+            while not stop.is_set():
+                started = time.perf_counter()
+                client.get("/health")
+                health_s.append(time.perf_counter() - started)
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=stream, daemon=True), threading.Thread(target=probe, daemon=True)]
+    for thread in threads:
+        thread.start()
+    stop.wait()
+    for thread in threads:
+        thread.join(CLIENT_TIMEOUT_S)
+
+
 async def phase_big_request(server: ServerProcess, size_bytes: int, strict: bool) -> Row:
     row = Row("big-request")
-    async with httpx.AsyncClient(base_url=server.url, headers=HEADERS, timeout=CLIENT_TIMEOUT_S) as client:
-        gaps: list[float] = []
-        health_s: list[float] = []
-        streaming = asyncio.Event()
-
-        async def stream() -> None:
-            body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                last = None
-                async for _ in response.aiter_lines():
-                    now = time.perf_counter()
-                    if last is not None and streaming.is_set():
-                        gaps.append(now - last)
-                    last = now
-                    streaming.set()
-
-        async def probe_health() -> None:
-            while not done.is_set():
+    text = ("lorem ipsum dolor " * (size_bytes // 18 + 1))[: size_bytes - 64]
+    bodies = [  # serialized before the measurement starts
+        ("/v1/completions", json.dumps({"prompt": text, "max_tokens": 4}).encode()),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()),
+        ("/tokenize", json.dumps({"prompt": text}).encode()),
+    ]  # fmt: skip
+    gaps: list[float] = []
+    health_s: list[float] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_stalls, args=(server, stop, gaps, health_s), daemon=True)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(gaps) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        gaps.clear()
+        health_s.clear()
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=HEADERS, timeout=CLIENT_TIMEOUT_S
+        ) as client:
+            for path, body in bodies:
                 started = time.perf_counter()
-                await client.get("/health")
-                health_s.append(time.perf_counter() - started)
-                await asyncio.sleep(0.05)
-
-        done = asyncio.Event()
-        streamer = asyncio.create_task(stream())
-        prober = asyncio.create_task(probe_health())
-        await asyncio.wait_for(streaming.wait(), 60)
-        text = ("lorem ipsum dolor " * (size_bytes // 18 + 1))[: size_bytes - 64]
-        for path, body in (
-            ("/v1/completions", {"prompt": text, "max_tokens": 4}),
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 4}),
-            ("/tokenize", {"prompt": text}),
-        ):
-            started = time.perf_counter()
-            response = await _send(client, path, json.dumps(body).encode(), row)
-            status = response.status_code if response is not None else None
-            row.notes.append(
-                f"{path} {size_bytes / 2**20:.0f} MB -> {status} in {time.perf_counter() - started:.1f} s"
-            )
-        await streamer
-        done.set()
-        await prober
+                response = await _send(client, path, body, row)
+                status = response.status_code if response is not None else None
+                row.notes.append(
+                    f"{path} {size_bytes / 2**20:.0f} MB -> {status} in {time.perf_counter() - started:.1f} s"
+                )
+        await asyncio.sleep(0.5)
+    finally:
+        stop.set()
+        await asyncio.to_thread(watcher.join, CLIENT_TIMEOUT_S)
     stall_s = max(gaps, default=0.0)
     health_max_s = max(health_s, default=0.0)
     row.notes.append(f"longest stream gap {stall_s:.2f} s, slowest /health {health_max_s:.2f} s")
+    if not gaps:
+        row.fail("the stream produced nothing while the big requests ran")
     if strict and max(stall_s, health_max_s) > 1.0:
         row.fail("a stream or /health stalled > 1 s")
     _alive(server, row)

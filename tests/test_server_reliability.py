@@ -204,9 +204,10 @@ def test_disconnects_are_counted_as_aborts_and_logged_quietly(
     aborts_before = _requests_total(http, "abort")
     log_before = len(server.log())
     body = {"prompt": "hi", "max_tokens": 3000, "ignore_eos": True}
-    with httpx.Client(base_url=server.url, headers=http.headers, timeout=1.0) as client:
+    with httpx.Client(base_url=server.url, headers=http.headers, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             next(response.iter_lines())  # then leave mid-stream
+    with httpx.Client(base_url=server.url, headers=http.headers, timeout=1.0) as client:
         with pytest.raises(httpx.ReadTimeout):  # and leave while waiting for a whole answer
             client.post("/v1/completions", json=body)
     with _connect(server) as sock:  # gone in the middle of the body
@@ -370,7 +371,10 @@ def test_sigterm_past_the_timeout_ends_every_request_with_a_readable_error(serve
     time.sleep(1.0)
     short_thread = threading.Thread(target=short)
     short_thread.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # all three in the engine (or the short one done) before the signal
+    while short_thread.is_alive() and httpx.get(server.url + "/load").json()["running_requests"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     assert server.process is not None
     server.process.send_signal(15)
     for thread in [*threads, short_thread]:
