@@ -363,8 +363,9 @@ def _core_environment() -> dict[str, str]:
     """
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    for name, value in CORE_MEMORY_ENVIRONMENT.items():
-        env.setdefault(name, value)
+    if env.get("HEARTH_CORE_MEMORY_DEFAULTS", "1") != "0":  # 0: glibc's and oneDNN's own defaults (A/B runs)
+        for name, value in CORE_MEMORY_ENVIRONMENT.items():
+            env.setdefault(name, value)
     return env
 
 
