@@ -76,3 +76,14 @@ def test_large_texts_are_encoded_off_the_loop_with_the_same_ids(prompts: PromptT
     text = "lorem ipsum dolor " * (LARGE_TEXT_CHARS // 18 + 10)
     ids = asyncio.run(prompts.encode(text, add_special_tokens=True, param="prompt"))
     assert ids == prompts.tokenizer.encode(text)
+
+
+def test_a_body_too_large_for_any_fitting_prompt_is_refused_from_its_length(prompts: PromptTokenizer) -> None:
+    prompts.check_body_fits(str(prompts.max_fitting_body_bytes))
+    prompts.check_body_fits(None)  # chunked: counted while read instead
+    with pytest.raises(APIError) as excinfo:
+        prompts.check_body_fits(str(prompts.max_fitting_body_bytes + 1))
+    assert excinfo.value.code == "context_length_exceeded"
+    # a prompt that fits, written as JSON in the most expensive way, is never refused
+    longest = prompts.max_model_len * prompts.max_token_chars - 1
+    assert 12 * longest < prompts.max_fitting_body_bytes

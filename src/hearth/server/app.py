@@ -22,7 +22,7 @@ from hearth.server.admission import AdmissionController
 from hearth.server.chat_template import ChatTemplate, ChatTemplateError, content_chars, normalize_messages
 from hearth.server.disconnect import QuietDisconnectMiddleware
 from hearth.server.errors import APIError, bad_request, error_body, from_validation_error
-from hearth.server.limits import read_body
+from hearth.server.limits import read_body, too_large
 from hearth.server.metrics import ServerMetrics
 from hearth.server.protocol import (
     ChatCompletionRequest,
@@ -72,7 +72,16 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _parse(raw: Request, model: type[ModelT], config: ServerConfig) -> ModelT:
+async def _parse(
+    raw: Request, model: type[ModelT], config: ServerConfig, prompts: PromptTokenizer | None = None
+) -> ModelT:
+    """The body as `model`; with `prompts` (endpoints that take a prompt), one too long to fit the
+    context is refused from its Content-Length first."""
+    declared = raw.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > config.max_request_bytes:
+        raise too_large(config.max_request_bytes)  # the server's own limit is named first
+    if prompts is not None:
+        prompts.check_body_fits(declared)
     body = await read_body(raw, config.max_request_bytes, config.body_read_timeout_s)
     try:
         return model.model_validate_json(body)
@@ -179,11 +188,15 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        return await create_chat_completion(state, await _parse(raw, ChatCompletionRequest, config), raw)
+        return await create_chat_completion(
+            state, await _parse(raw, ChatCompletionRequest, config, state.prompts), raw
+        )
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        return await create_completion(state, await _parse(raw, CompletionRequest, config), raw)
+        return await create_completion(
+            state, await _parse(raw, CompletionRequest, config, state.prompts), raw
+        )
 
     def model_card() -> dict[str, Any]:
         max_model_len = state.engine.max_model_len if state.engine is not None else None
@@ -232,7 +245,7 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict[str, Any]:
-        request = await _parse(raw, TokenizeRequest, config)
+        request = await _parse(raw, TokenizeRequest, config, state.prompts)
         state.check_model(request.model)
         engine = state.require_engine()
         prompts = state.require_prompts()

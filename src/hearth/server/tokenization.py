@@ -86,6 +86,23 @@ class PromptTokenizer:
         """A lower bound on the tokens of any text of `num_chars` characters."""
         return num_chars // (self.max_token_chars * self._slack)
 
+    @property
+    def max_fitting_body_bytes(self) -> int:
+        """No request whose prompt can fit the context has a larger body: every prompt character takes at
+        most 12 bytes of JSON (an escaped surrogate pair), plus 1 MiB for everything else (schemas, stops)."""
+        return 12 * self.max_model_len * self.max_token_chars * self._slack + 1024 * 1024
+
+    def check_body_fits(self, content_length: str | None) -> None:
+        """400 `context_length_exceeded` from the Content-Length alone, before the body is read or parsed
+        (parsing 10 MB of JSON holds the event loop for a good part of a second)."""
+        if content_length is not None and content_length.isdigit():
+            if int(content_length) > self.max_fitting_body_bytes:
+                raise bad_request(
+                    f"The request body has {content_length} bytes; no prompt that fits this model's maximum "
+                    f"context length of {self.max_model_len} tokens is that long. Shorten the prompt.",
+                    code="context_length_exceeded",
+                )
+
     def check_fits(self, num_chars: int, param: str) -> None:
         """400 `context_length_exceeded` when a text this long can never fit, without tokenizing it."""
         if self.min_tokens(num_chars) >= self.max_model_len:
