@@ -582,8 +582,13 @@ async def phase_sigterm(server: ServerProcess) -> Row:
 
         tasks = [asyncio.create_task(plain(3000)), asyncio.create_task(streamed())]
         await asyncio.sleep(1.0)
-        tasks += [asyncio.create_task(plain(4)) for _ in range(3)]
-        await asyncio.sleep(0.3)
+        shorts = [asyncio.create_task(plain(4)) for _ in range(3)]
+        tasks += shorts
+        deadline = time.monotonic() + 30  # every request in the engine (or the short ones done) first
+        while not all(task.done() for task in shorts) and time.monotonic() < deadline:
+            if (await client.get("/load")).json()["running_requests"] >= 5:
+                break
+            await asyncio.sleep(0.02)
         assert server.process is not None
         server.process.send_signal(signal.SIGTERM)
         await asyncio.gather(*tasks)
