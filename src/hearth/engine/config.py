@@ -30,6 +30,12 @@ class EngineConfig:
     load_progress: bool = False
     device: str = "auto"
     kv_cache_dtype: str = "auto"
+    # Speculative decoding (hearth.engine.spec): None = off.
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    # Speculation turns itself off for a step with more decode rows than this (verification stops paying).
+    speculative_max_batch_size: int = 32
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -43,6 +49,10 @@ class EngineConfig:
             raise ValueError("page_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.speculative_method is not None:
+            from hearth.engine.spec.registry import check_speculative_options
+
+            check_speculative_options(self.speculative_method, self.speculative_model, self.num_speculative_tokens)
 
     @property
     def model_name(self) -> str:
@@ -101,6 +111,25 @@ class EngineConfig:
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
         group.add_argument(
             "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)"
+        )
+        spec = parser.add_argument_group("speculative decoding")
+        spec.add_argument(
+            "--speculative-method",
+            default=None,
+            choices=("draft", "ngram", "eagle3"),
+            help="propose tokens for the target to verify: a draft model, prompt lookup (ngram), or an EAGLE-3 head",
+        )
+        spec.add_argument(
+            "--speculative-model", default=None, help="checkpoint directory of the draft model (draft, eagle3)"
+        )
+        spec.add_argument(
+            "--num-speculative-tokens", type=int, default=4, help="most tokens proposed per request and step"
+        )
+        spec.add_argument(
+            "--speculative-max-batch-size",
+            type=int,
+            default=32,
+            help="no speculation in steps with more decode rows than this (it stops paying)",
         )
 
     @classmethod

@@ -18,6 +18,7 @@ from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.request import Request
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
+from hearth.engine.spec import Speculator
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hearth.engine.worker import StepOutput, Worker
@@ -43,6 +44,7 @@ class Engine:
         kv_layout_tag: str,
         max_model_len: int,
         num_kv_tokens: int,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -56,6 +58,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.num_kv_tokens = num_kv_tokens
         self._kv_layout_tag = kv_layout_tag
+        self.speculator = speculator  # speculative decoding (None: off)
         self._requests: dict[str, Request] = {}
         self._arrivals = count()
         self._totals = {"prompt": 0, "cached": 0, "generated": 0, "preempted": 0}
@@ -116,6 +119,8 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[CoreOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)  # drafts for the scheduler to add to decode rows
         scheduled = self.scheduler.schedule()
         self._totals["preempted"] += len(scheduled.preempted)
         for load in scheduled.kv_loads:  # pages whose KV arrives from elsewhere get their tags too
@@ -136,6 +141,8 @@ class Engine:
                 kept_tokens.append([])
                 continue
             tokens, logprobs = next(sampled)
+            if item.draft_token_ids and self.speculator is not None:
+                self.speculator.observe(item.request.request_id, len(item.draft_token_ids), len(tokens) - 1)
             num_kept, finish_reason = self._check_stop(item.request, tokens)
             kept_tokens.append(tokens[:num_kept])
             endings.append(
@@ -200,6 +207,8 @@ class Engine:
         request.grammar = None
         self.scheduler.finish(request)
         self.step_inputs.request_finished(request.request_id)  # the worker drops its state for it
+        if self.speculator is not None:
+            self.speculator.request_finished(request.request_id)
         del self._requests[request.request_id]
         self._totals["prompt"] += request.num_prompt_tokens
         self._totals["cached"] += request.cached_tokens or 0

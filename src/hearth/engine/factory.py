@@ -11,6 +11,7 @@ import time
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
 from hearth.engine.scheduler import Scheduler
+from hearth.engine.spec import Speculator, build_proposer
 from hearth.engine.structured_output import StructuredOutputManager
 from hearth.engine.worker import Worker, kv_layout_for
 from hearth.kv.manager import KVCacheManager
@@ -57,6 +58,7 @@ def build_engine(config: EngineConfig) -> Engine:
         kv_layout_tag=layout.describe(),
         max_model_len=max_model_len,
         num_kv_tokens=num_kv_tokens,
+        speculator=build_speculator(config, model_config, worker, num_pages, max_model_len, sample_vocab),
     )
     logger.info(
         "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
@@ -70,6 +72,35 @@ def build_engine(config: EngineConfig) -> Engine:
         time.perf_counter() - started,
     )
     return engine
+
+
+def build_speculator(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    worker: Worker,
+    num_pages: int,
+    max_model_len: int,
+    sample_vocab_size: int,
+) -> Speculator | None:
+    """The speculative decoder `--speculative-method` asks for (None: off); draft models load here."""
+    if config.speculative_method is None:
+        return None
+    proposer = build_proposer(
+        config.speculative_method,
+        config=config,
+        model_config=model_config,
+        target_worker=worker,
+        dtype=worker.dtype,
+        device=worker.device,
+        num_pages=num_pages,
+        max_model_len=max_model_len,
+        sample_vocab_size=sample_vocab_size,
+        eos_token_ids=set(worker.sampler.eos_token_ids),
+    )
+    logger.info(
+        "speculative decoding: %s, up to %d tokens per step", config.speculative_method, config.num_speculative_tokens
+    )
+    return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch_size)
 
 
 def resolve_max_model_len(model_config: ModelConfig, requested: int | None, num_kv_tokens: int) -> int:
