@@ -142,3 +142,16 @@ def test_a_middling_request_settles_between():
         speculator.observe("r0", 4, 1)
     speculator.propose([request])
     assert proposer.asked == [3]
+
+
+def test_metrics_report_acceptance_per_method():
+    from hearth.engine.messages import EngineStats
+    from hearth.server.metrics import ServerMetrics
+
+    stats = EngineStats(0, 0, 0, 4, 0, 0, 0, 0, 0, 0, "ngram", 10, 40, 25)
+    text = ServerMetrics("demo", lambda: stats).render().decode()
+    assert 'hearth_spec_decode_acceptance_rate{method="ngram",model_name="demo"} 0.625' in text
+    assert 'hearth_spec_decode_mean_accepted_length{method="ngram",model_name="demo"} 3.5' in text
+    assert 'hearth_spec_decode_num_accepted_tokens_total{method="ngram",model_name="demo"} 25.0' in text
+    plain = ServerMetrics("demo", lambda: EngineStats(0, 0, 0, 4, 0, 0, 0, 0, 0, 0)).render().decode()
+    assert "spec_decode" not in plain

@@ -216,6 +216,7 @@ class Engine:
         return output
 
     def stats(self) -> EngineStats:
+        spec = self.speculator.stats if self.speculator is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -227,6 +228,10 @@ class Engine:
             cached_tokens_total=self._totals["cached"],
             generation_tokens_total=self._totals["generated"],
             num_preemptions_total=self._totals["preempted"],
+            spec_method=spec.method if spec else "",
+            spec_num_drafts_total=spec.num_drafts if spec else 0,
+            spec_draft_tokens_total=spec.num_draft_tokens if spec else 0,
+            spec_accepted_tokens_total=spec.num_accepted_tokens if spec else 0,
         )
 
 
