@@ -26,7 +26,9 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-def sample_many(logits: torch.Tensor, drafts: list[int], params: SamplingParams, trials: int) -> list[list[int]]:
+def sample_many(
+    logits: torch.Tensor, drafts: list[int], params: SamplingParams, trials: int
+) -> list[list[int]]:
     sampler = Sampler(VOCAB, eos_token_ids=set())
     rows = [SamplingRow(params, [], [], num_output_tokens=i) for i in range(len(drafts) + 1)]
     return [rejection_sample(sampler, logits, rows, drafts)[0] for _ in range(trials)]

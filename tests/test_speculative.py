@@ -96,7 +96,9 @@ def generate(model_dir: Path, prompts, params, **options):
 def test_greedy_output_is_unchanged(target_dir, other_dir, method, draft, engine_options):
     draft_dir = {"self": target_dir, "other": other_dir, None: None}[draft]
     _, expected = generate(target_dir, PROMPTS, GREEDY, **engine_options)
-    llm, got = generate(target_dir, PROMPTS, GREEDY, **engine_options, **speculative_options(method, draft_dir))
+    llm, got = generate(
+        target_dir, PROMPTS, GREEDY, **engine_options, **speculative_options(method, draft_dir)
+    )
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     stats = llm.engine.speculator.stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
@@ -129,8 +131,14 @@ def test_stop_strings_logprobs_and_penalties_are_unchanged(target_dir):
     params = [
         SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop_text], logprobs=2),
         SamplingParams(
-            temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5,
-            presence_penalty=0.2, min_tokens=5, logprobs=0,
+            temperature=0.0,
+            max_tokens=40,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.2,
+            min_tokens=5,
+            logprobs=0,
         ),
     ]
     _, expected = generate(target_dir, PROMPTS[:2], params)
@@ -169,7 +177,9 @@ def test_structured_output_with_rejected_drafts_matches(target_dir, other_dir):
 
 
 def test_seeded_sampling_is_reproducible_and_valid(target_dir):
-    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=s, ignore_eos=True) for s in range(4)]
+    params = [
+        SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=s, ignore_eos=True) for s in range(4)
+    ]
     options = speculative_options("draft", target_dir)
     _, first = generate(target_dir, PROMPTS[:4], params, **options)
     llm, again = generate(target_dir, PROMPTS[:4], params, **options)

@@ -52,7 +52,9 @@ class EngineConfig:
         if self.speculative_method is not None:
             from hearth.engine.spec.registry import check_speculative_options
 
-            check_speculative_options(self.speculative_method, self.speculative_model, self.num_speculative_tokens)
+            check_speculative_options(
+                self.speculative_method, self.speculative_model, self.num_speculative_tokens
+            )
 
     @property
     def model_name(self) -> str:
@@ -120,7 +122,9 @@ class EngineConfig:
             help="propose tokens for the target to verify: a draft model, prompt lookup (ngram), or an EAGLE-3 head",
         )
         spec.add_argument(
-            "--speculative-model", default=None, help="checkpoint directory of the draft model (draft, eagle3)"
+            "--speculative-model",
+            default=None,
+            help="checkpoint directory of the draft model (draft, eagle3)",
         )
         spec.add_argument(
             "--num-speculative-tokens", type=int, default=4, help="most tokens proposed per request and step"

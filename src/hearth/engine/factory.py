@@ -98,7 +98,9 @@ def build_speculator(
         eos_token_ids=set(worker.sampler.eos_token_ids),
     )
     logger.info(
-        "speculative decoding: %s, up to %d tokens per step", config.speculative_method, config.num_speculative_tokens
+        "speculative decoding: %s, up to %d tokens per step",
+        config.speculative_method,
+        config.num_speculative_tokens,
     )
     return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch_size)
 

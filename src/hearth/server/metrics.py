@@ -105,8 +105,18 @@ def _speculative_metrics(stats: Any, model_name: str) -> Iterator[Metric]:
     row: accepted drafts + the one sampled after them)."""
     labels, value = ["model_name", "method"], [model_name, stats.spec_method]
     numbers = [
-        ("spec_decode_num_drafts", "Verified rows that carried draft tokens.", stats.spec_num_drafts_total, True),
-        ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", stats.spec_draft_tokens_total, True),
+        (
+            "spec_decode_num_drafts",
+            "Verified rows that carried draft tokens.",
+            stats.spec_num_drafts_total,
+            True,
+        ),
+        (
+            "spec_decode_num_draft_tokens",
+            "Draft tokens proposed and verified.",
+            stats.spec_draft_tokens_total,
+            True,
+        ),
         (
             "spec_decode_num_accepted_tokens",
             "Draft tokens the target accepted.",
@@ -117,7 +127,12 @@ def _speculative_metrics(stats: Any, model_name: str) -> Iterator[Metric]:
     drafts, proposed = stats.spec_num_drafts_total, stats.spec_draft_tokens_total
     accepted = stats.spec_accepted_tokens_total
     numbers.append(
-        ("spec_decode_acceptance_rate", "Accepted / proposed draft tokens.", accepted / proposed if proposed else 0.0, False)
+        (
+            "spec_decode_acceptance_rate",
+            "Accepted / proposed draft tokens.",
+            accepted / proposed if proposed else 0.0,
+            False,
+        )
     )
     numbers.append(
         (

@@ -6,7 +6,7 @@ target verifies them in one multi-token row (`Scheduler._add_drafts`), and the w
 request from recent acceptance (adaptive K), and counts what was proposed and accepted for /metrics.
 """
 
-from hearth.engine.spec.proposer import Proposer, ProposalRequest
+from hearth.engine.spec.proposer import ProposalRequest, Proposer
 from hearth.engine.spec.registry import build_proposer, check_speculative_options, register_proposer
 from hearth.engine.spec.speculator import SpecStats, Speculator
 

@@ -123,7 +123,9 @@ class DraftModelProposer(Proposer):
             token_ids.extend(feed)
             positions.extend(range(start, end))
             page_ids = sequence.page_ids
-            slot_mapping.extend(page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
+            slot_mapping.extend(
+                page_ids[p // page_size] * page_size + p % page_size for p in range(start, end)
+            )
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
             row_pages.append(page_ids[: -(-end // page_size)])

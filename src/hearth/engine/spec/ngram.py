@@ -32,7 +32,10 @@ def lookup(token_ids: list[int] | np.ndarray, num_tokens: int, min_n: int = 2, m
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    # min_n=1: on the demo model's tool calls a single matching token still predicts well (1.79 vs 1.59
+    # tokens per verified step with min_n=2, greedy replay of 8 held-out prompts at K=4); adaptive K quiets it
+    # where it does not.
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n = min_n

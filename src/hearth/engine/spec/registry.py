@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 _BUILDERS: dict[str, tuple[Callable[..., Proposer], bool]] = {}
 
 
-def register_proposer(name: str, needs_model: bool) -> Callable[[Callable[..., Proposer]], Callable[..., Proposer]]:
+def register_proposer(
+    name: str, needs_model: bool
+) -> Callable[[Callable[..., Proposer]], Callable[..., Proposer]]:
     def wrap(builder: Callable[..., Proposer]) -> Callable[..., Proposer]:
         _BUILDERS[name] = (builder, needs_model)
         return builder
@@ -35,7 +37,9 @@ def check_speculative_options(method: str, model: str | None, num_tokens: int) -
         raise ValueError("num_speculative_tokens must be >= 1")
     needs_model = _BUILDERS[method][1]
     if needs_model and model is None:
-        raise ValueError(f"--speculative-method {method} needs --speculative-model DIR (the draft checkpoint)")
+        raise ValueError(
+            f"--speculative-method {method} needs --speculative-model DIR (the draft checkpoint)"
+        )
     if needs_model and model is not None and not (Path(model) / "config.json").is_file():
         raise ValueError(f"--speculative-model {model}: no config.json there")
 
