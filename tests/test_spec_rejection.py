@@ -157,3 +157,19 @@ def test_metrics_report_acceptance_per_method():
     assert 'hearth_spec_decode_num_accepted_tokens_total{method="ngram",model_name="demo"} 25.0' in text
     plain = ServerMetrics("demo", lambda: EngineStats(0, 0, 0, 4, 0, 0, 0, 0, 0, 0)).render().decode()
     assert "spec_decode" not in plain
+
+
+def test_options_are_checked_where_the_user_sets_them(tmp_path):
+    import pytest
+
+    from hearth.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="needs --speculative-model"):
+        EngineConfig(model="m", speculative_method="draft")
+    with pytest.raises(ValueError, match="no config.json"):
+        EngineConfig(model="m", speculative_method="draft", speculative_model=str(tmp_path))
+    with pytest.raises(ValueError, match="not built yet"):
+        EngineConfig(model="m", speculative_method="eagle3", speculative_model=str(tmp_path))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(model="m", speculative_method="ngram", num_speculative_tokens=0)
+    assert EngineConfig(model="m", speculative_method="ngram").num_speculative_tokens == 4
