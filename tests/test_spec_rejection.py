@@ -173,3 +173,19 @@ def test_options_are_checked_where_the_user_sets_them(tmp_path):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(model="m", speculative_method="ngram", num_speculative_tokens=0)
     assert EngineConfig(model="m", speculative_method="ngram").num_speculative_tokens == 4
+
+
+def test_payoff_turns_drafts_off_where_they_cost_more_and_keeps_measuring():
+    from hearth.engine.spec.speculator import _EXPLORE_EVERY_STEPS, Payoff
+
+    payoff = Payoff()
+    assert payoff.use_drafts(8)  # nothing measured: try drafts first
+    payoff.record(8, True, seconds=1.0, num_tokens=10)
+    assert not payoff.use_drafts(8)  # then measure without
+    payoff.record(8, False, seconds=0.5, num_tokens=10)
+    choices = [payoff.use_drafts(8) for _ in range(2 * _EXPLORE_EVERY_STEPS)]
+    assert choices.count(True) == 2  # drafts cost more here: only the periodic re-measurement uses them
+    assert payoff.use_drafts(1)  # another batch size is measured on its own
+    payoff.record(1, True, seconds=0.2, num_tokens=10)
+    payoff.record(1, False, seconds=0.5, num_tokens=10)
+    assert sum(payoff.use_drafts(1) for _ in range(_EXPLORE_EVERY_STEPS)) == _EXPLORE_EVERY_STEPS - 1

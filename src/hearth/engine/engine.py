@@ -133,7 +133,10 @@ class Engine:
         if not scheduled.scheduled:
             return []
         step_output = self.worker.execute(self.step_inputs.build(scheduled.scheduled, self.structured))
-        return self._process_outputs(scheduled.scheduled, step_output)
+        outputs = self._process_outputs(scheduled.scheduled, step_output)
+        if self.speculator is not None:  # what the step cost decides whether drafts pay at this batch size
+            self.speculator.step_finished(scheduled.scheduled, sum(len(o.new_token_ids) for o in outputs))
+        return outputs
 
     def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[CoreOutput]:
         """Cut each row's tokens where the request ends, advance the scheduler, and report."""

@@ -32,7 +32,9 @@ def check_speculative_options(method: str, model: str | None, num_tokens: int) -
     """Raises ValueError naming the option to fix (EngineConfig calls it; no model is loaded)."""
     _load_builtin()
     if method == "eagle3":
-        raise ValueError("--speculative-method eagle3 is not built yet; use draft (with --speculative-model) or ngram")
+        raise ValueError(
+            "--speculative-method eagle3 is not built yet; use draft (with --speculative-model) or ngram"
+        )
     if method not in _BUILDERS:
         raise ValueError(f"speculative_method must be one of {', '.join(sorted(_BUILDERS))}, got {method!r}")
     if num_tokens < 1:

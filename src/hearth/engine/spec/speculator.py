@@ -7,18 +7,26 @@ drafts keep failing (average acceptance rate below `_OFF_RATE`) stops proposing 
 steps, then tries again with K=1. The whole step goes without drafts when more decode rows run than
 `--speculative-max-batch-size`: verification costs the target a token per draft, and in a large batch
 the matmuls are no longer free to widen.
+
+Below that size, whether speculation pays is measured, not assumed (`Payoff`): per decode batch size
+(powers of two), the wall seconds per output token of pure-decode steps with drafts and without; the
+cheaper choice is used, and the other is measured again every `_EXPLORE_EVERY_STEPS` steps, so a draft
+model that costs more than it saves (a small target, a busy CPU, a large batch) switches itself off.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from hearth.engine.request import Request
+from hearth.engine.scheduler import ScheduledRequest
 from hearth.engine.spec.proposer import ProposalRequest, Proposer
 
 _EMA_WEIGHT = 0.5  # weight of the newest step in the averages
 _OFF_RATE = 0.15
 _COOLDOWN_STEPS = 16
+_EXPLORE_EVERY_STEPS = 16  # how often the batch size's losing choice (drafts or none) is measured again
 
 
 @dataclass
@@ -49,13 +57,47 @@ class _Acceptance:
 
 
 @dataclass
+class Payoff:
+    """Seconds per output token of pure-decode steps, with and without drafts, per decode batch size bucket."""
+
+    cost_s: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafts) -> EMA s/token
+    num_decisions: int = 0
+
+    @staticmethod
+    def bucket(num_decode_rows: int) -> int:
+        return num_decode_rows.bit_length()
+
+    def use_drafts(self, num_decode_rows: int) -> bool:
+        bucket = self.bucket(num_decode_rows)
+        with_drafts = self.cost_s.get((bucket, True))
+        without = self.cost_s.get((bucket, False))
+        self.num_decisions += 1
+        if with_drafts is None:
+            return True
+        if without is None:
+            return False
+        explore = self.num_decisions % _EXPLORE_EVERY_STEPS == 0
+        return (with_drafts <= without) != explore
+
+    def record(self, num_decode_rows: int, used_drafts: bool, seconds: float, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        key = (self.bucket(num_decode_rows), used_drafts)
+        cost = seconds / num_tokens
+        old = self.cost_s.get(key)
+        self.cost_s[key] = cost if old is None else old + _EMA_WEIGHT * (cost - old)
+
+
+@dataclass
 class Speculator:
     proposer: Proposer
     max_num_tokens: int
     max_batch_size: int
     adaptive: bool = True
     stats: SpecStats = field(init=False)
+    payoff: Payoff = field(default_factory=Payoff)
     _acceptance: dict[str, _Acceptance] = field(default_factory=dict)
+    _step: tuple[float, int, bool] | None = None  # this step's start, decode rows, whether drafts were asked
 
     def __post_init__(self) -> None:
         self.stats = SpecStats(self.proposer.name)
@@ -66,7 +108,12 @@ class Speculator:
         for request in running:
             if request.draft_token_ids:
                 request.draft_token_ids = []
+        self._step = None
         if not decoding or len(decoding) > self.max_batch_size:
+            return
+        use_drafts = not self.adaptive or self.payoff.use_drafts(len(decoding))
+        self._step = (time.perf_counter(), len(decoding), use_drafts)
+        if not use_drafts:
             return
         batch: list[ProposalRequest] = []
         targets: list[Request] = []
@@ -84,6 +131,15 @@ class Speculator:
             return
         for request, drafts in zip(targets, self.proposer.propose(batch), strict=True):
             request.draft_token_ids = drafts
+
+    def step_finished(self, batch: list[ScheduledRequest], num_output_tokens: int) -> None:
+        """The step that `propose` began is done: record its cost if it only decoded (prefill chunks would blur it)."""
+        if self._step is None:
+            return
+        started, num_decode_rows, used_drafts = self._step
+        self._step = None
+        if all(item.num_new_tokens == 1 + len(item.draft_token_ids) for item in batch):
+            self.payoff.record(num_decode_rows, used_drafts, time.perf_counter() - started, num_output_tokens)
 
     def _num_tokens(self, request_id: str) -> int:
         if not self.adaptive:
