@@ -5,9 +5,13 @@ Everything that decides *what* the engine is happens here, once; `Engine` is onl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
+import torch
+
+from hearth.distributed.topology import ParallelConfig
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
 from hearth.engine.scheduler import Scheduler
@@ -27,6 +31,16 @@ GIB = 1 << 30
 
 def build_engine(config: EngineConfig) -> Engine:
     started = time.perf_counter()
+    if config.node_rank != 0:
+        raise ValueError(
+            f"node_rank {config.node_rank}: only node 0 runs the engine; other nodes run their ranks "
+            "(`hearth serve --node-rank N ...` or `python -m hearth.distributed.node`)"
+        )
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1 and config.master_port is None:
+        from hearth.distributed.executor import free_port
+
+        config = dataclasses.replace(config, master_port=free_port())
+    parallel = ParallelConfig.from_engine_config(config)
     model_config = ModelConfig.from_dir(config.model)
     tokenizer = Tokenizer.from_dir(config.model)
     dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype)
@@ -43,9 +57,23 @@ def build_engine(config: EngineConfig) -> Engine:
     eos_token_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
     # The embedding may be padded past the tokenizer's ids; those columns are never sampled.
     sample_vocab = min(model_config.vocab_size, tokenizer.vocab_size)
-    worker = Worker(
-        config, model_config, dtype, layout, num_pages, max_model_len, sample_vocab, eos_token_ids
-    )
+    worker: Worker
+    if parallel.is_parallel:
+        from hearth.distributed.executor import DistributedExecutor, WorkerSpec
+
+        spec = WorkerSpec(
+            config,
+            str(dtype).removeprefix("torch."),
+            num_pages,
+            max_model_len,
+            sample_vocab,
+            sorted(eos_token_ids),
+        )
+        worker = DistributedExecutor(config, spec)  # type: ignore[assignment]  # a Worker over every rank
+    else:
+        worker = Worker(
+            config, model_config, dtype, layout, num_pages, max_model_len, sample_vocab, eos_token_ids
+        )
     engine = Engine(
         config=config,
         model_config=model_config,
@@ -55,10 +83,13 @@ def build_engine(config: EngineConfig) -> Engine:
         worker=worker,
         structured=StructuredOutputManager(tokenizer, eos_token_ids),
         eos_token_ids=eos_token_ids,
-        kv_layout_tag=layout.describe(),
+        # Pages computed under one parallel layout never serve another (DESIGN "Prefix keys").
+        kv_layout_tag=f"{layout.describe()}/{parallel.state_of(0).layout_tag}",
         max_model_len=max_model_len,
         num_kv_tokens=num_kv_tokens,
-        speculator=build_speculator(config, model_config, worker, num_pages, max_model_len, sample_vocab),
+        speculator=build_speculator(
+            config, model_config, worker, dtype, num_pages, max_model_len, sample_vocab, eos_token_ids
+        ),
     )
     logger.info(
         "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
@@ -78,9 +109,11 @@ def build_speculator(
     config: EngineConfig,
     model_config: ModelConfig,
     worker: Worker,
+    dtype: torch.dtype,
     num_pages: int,
     max_model_len: int,
     sample_vocab_size: int,
+    eos_token_ids: set[int],
 ) -> Speculator | None:
     """The speculative decoder `--speculative-method` asks for (None: off); draft models load here."""
     if config.speculative_method is None:
@@ -90,12 +123,12 @@ def build_speculator(
         config=config,
         model_config=model_config,
         target_worker=worker,
-        dtype=worker.dtype,
+        dtype=dtype,
         device=worker.device,
         num_pages=num_pages,
         max_model_len=max_model_len,
         sample_vocab_size=sample_vocab_size,
-        eos_token_ids=set(worker.sampler.eos_token_ids),
+        eos_token_ids=eos_token_ids,
     )
     logger.info(
         "speculative decoding: %s, up to %d tokens per step",
