@@ -85,12 +85,27 @@ def run(args: argparse.Namespace) -> int:
         "num_preemptions": llm.engine.stats().num_preemptions_total,
         "first_out_ids_prompt0": results[0].token_ids[:8],
     }
+    speculator = llm.engine.speculator
+    if speculator is not None:
+        spec = speculator.stats
+        result["speculative"] = {
+            "method": spec.method,
+            "num_speculative_tokens": config.num_speculative_tokens,
+            "acceptance_rate": round(spec.acceptance_rate, 4),
+            "mean_accepted_length": round(spec.mean_accepted_length, 3),
+            "num_drafts": spec.num_drafts,
+        }
     print(
         f"output {result['output_throughput_tok_s']:.1f} tok/s, total {result['total_throughput_tok_s']:.1f} tok/s, "
         f"{result['requests_per_s']:.2f} req/s, ready in {ready_s:.2f} s, peak RSS {peak_rss_gib:.2f} GiB "
         f"({args.num_prompts} prompts x {args.input_len} in / {args.output_len} out, max {config.max_num_seqs} seqs, "
         f"{result['dtype']})"
     )
+    if speculator is not None:
+        print(
+            f"speculative {spec.method}: acceptance rate {spec.acceptance_rate:.3f}, "
+            f"mean accepted length {spec.mean_accepted_length:.2f} (K={config.num_speculative_tokens})"
+        )
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(result, indent=2) + "\n")

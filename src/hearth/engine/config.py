@@ -38,6 +38,12 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None on one node: a free port is picked
+    # Speculative decoding (hearth.engine.spec): None = off.
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    # Speculation turns itself off for a step with more decode rows than this (verification stops paying).
+    speculative_max_batch_size: int = 32
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -54,10 +60,22 @@ class EngineConfig:
         from hearth.distributed.topology import ParallelConfig  # torch-free: checks sizes and nodes
 
         ParallelConfig(
-            self.tensor_parallel_size, self.pipeline_parallel_size, self.expert_parallel, self.nnodes, self.node_rank
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.expert_parallel,
+            self.nnodes,
+            self.node_rank,
         )
         if self.nnodes > 1 and self.master_port is None:
-            raise ValueError("with nnodes > 1, master_port (and master_addr) must name node 0's rendezvous port")
+            raise ValueError(
+                "with nnodes > 1, master_port (and master_addr) must name node 0's rendezvous port"
+            )
+        if self.speculative_method is not None:
+            from hearth.engine.spec.registry import check_speculative_options
+
+            check_speculative_options(
+                self.speculative_method, self.speculative_model, self.num_speculative_tokens
+            )
 
     @property
     def model_name(self) -> str:
@@ -119,10 +137,18 @@ class EngineConfig:
         )
         parallel = parser.add_argument_group("parallelism (hearth.distributed)")
         parallel.add_argument(
-            "--tensor-parallel-size", "-tp", type=int, default=1, help="ranks that split every layer (by heads)"
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=1,
+            help="ranks that split every layer (by heads)",
         )
         parallel.add_argument(
-            "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages (ranks holding consecutive layers)"
+            "--pipeline-parallel-size",
+            "-pp",
+            type=int,
+            default=1,
+            help="pipeline stages (ranks holding consecutive layers)",
         )
         parallel.add_argument(
             "--expert-parallel",
@@ -130,10 +156,38 @@ class EngineConfig:
             help="MoE models: each tensor-parallel rank holds whole experts (a 1/N share of them) instead of a slice of each",
         )
         parallel.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span (as torchrun)")
-        parallel.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 serves the API")
-        parallel.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for the rendezvous")
         parallel.add_argument(
-            "--master-port", type=int, default=None, help="node 0's rendezvous port (default on one node: a free one)"
+            "--node-rank", type=int, default=0, help="this host's index; node 0 serves the API"
+        )
+        parallel.add_argument(
+            "--master-addr", default="127.0.0.1", help="node 0's address for the rendezvous"
+        )
+        parallel.add_argument(
+            "--master-port",
+            type=int,
+            default=None,
+            help="node 0's rendezvous port (default on one node: a free one)",
+        )
+        spec = parser.add_argument_group("speculative decoding")
+        spec.add_argument(
+            "--speculative-method",
+            default=None,
+            choices=("draft", "ngram", "eagle3"),
+            help="propose tokens for the target to verify: a draft model, prompt lookup (ngram), or an EAGLE-3 head",
+        )
+        spec.add_argument(
+            "--speculative-model",
+            default=None,
+            help="checkpoint directory of the draft model (draft, eagle3)",
+        )
+        spec.add_argument(
+            "--num-speculative-tokens", type=int, default=4, help="most tokens proposed per request and step"
+        )
+        spec.add_argument(
+            "--speculative-max-batch-size",
+            type=int,
+            default=32,
+            help="no speculation in steps with more decode rows than this (it stops paying)",
         )
 
     @classmethod

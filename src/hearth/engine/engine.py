@@ -19,6 +19,7 @@ from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.request import Request
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
+from hearth.engine.spec import Speculator
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hearth.engine.worker import StepOutput, Worker
@@ -45,6 +46,7 @@ class Engine:
         max_model_len: int,
         num_kv_tokens: int,
         kv_connectors: list[KVConnector] | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -59,6 +61,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.num_kv_tokens = num_kv_tokens
         self._kv_layout_tag = kv_layout_tag
+        self.speculator = speculator  # speculative decoding (None: off)
         self._requests: dict[str, Request] = {}
         self._arrivals = count()
         self._totals = {"prompt": 0, "cached": 0, "generated": 0, "preempted": 0}
@@ -120,6 +123,8 @@ class Engine:
 
     def step(self) -> list[CoreOutput]:
         self.kv_loads.poll()  # requests whose KV arrived from elsewhere become runnable
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)  # drafts for the scheduler to add to decode rows
         scheduled = self.scheduler.schedule()
         self._totals["preempted"] += len(scheduled.preempted)
         for load in scheduled.kv_loads:  # pages whose KV arrives from elsewhere get their tags too
@@ -128,7 +133,10 @@ class Engine:
         if not scheduled.scheduled:
             return []
         step_output = self.worker.execute(self.step_inputs.build(scheduled.scheduled, self.structured))
-        return self._process_outputs(scheduled.scheduled, step_output)
+        outputs = self._process_outputs(scheduled.scheduled, step_output)
+        if self.speculator is not None:  # what the step cost decides whether drafts pay at this batch size
+            self.speculator.step_finished(scheduled.scheduled, sum(len(o.new_token_ids) for o in outputs))
+        return outputs
 
     def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[CoreOutput]:
         """Cut each row's tokens where the request ends, advance the scheduler, and report."""
@@ -141,6 +149,8 @@ class Engine:
                 kept_tokens.append([])
                 continue
             tokens, logprobs = next(sampled)
+            if item.draft_token_ids and self.speculator is not None:
+                self.speculator.observe(item.request.request_id, len(item.draft_token_ids), len(tokens) - 1)
             num_kept, finish_reason = self._check_stop(item.request, tokens)
             kept_tokens.append(tokens[:num_kept])
             endings.append(
@@ -206,6 +216,8 @@ class Engine:
         self.kv_loads.request_finished(request)  # before its pages are freed
         self.scheduler.finish(request)
         self.step_inputs.request_finished(request.request_id)  # the worker drops its state for it
+        if self.speculator is not None:
+            self.speculator.request_finished(request.request_id)
         del self._requests[request.request_id]
         self._totals["prompt"] += request.num_prompt_tokens
         self._totals["cached"] += request.cached_tokens or 0
@@ -213,6 +225,7 @@ class Engine:
         return output
 
     def stats(self) -> EngineStats:
+        spec = self.speculator.stats if self.speculator is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -224,6 +237,10 @@ class Engine:
             cached_tokens_total=self._totals["cached"],
             generation_tokens_total=self._totals["generated"],
             num_preemptions_total=self._totals["preempted"],
+            spec_method=spec.method if spec else "",
+            spec_num_drafts_total=spec.num_drafts if spec else 0,
+            spec_draft_tokens_total=spec.num_draft_tokens if spec else 0,
+            spec_accepted_tokens_total=spec.num_accepted_tokens if spec else 0,
         )
 
 

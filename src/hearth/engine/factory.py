@@ -9,10 +9,13 @@ import dataclasses
 import logging
 import time
 
+import torch
+
 from hearth.distributed.topology import ParallelConfig
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
 from hearth.engine.scheduler import Scheduler
+from hearth.engine.spec import Speculator, build_proposer
 from hearth.engine.structured_output import StructuredOutputManager
 from hearth.engine.worker import Worker, kv_layout_for
 from hearth.kv.manager import KVCacheManager
@@ -59,7 +62,12 @@ def build_engine(config: EngineConfig) -> Engine:
         from hearth.distributed.executor import DistributedExecutor, WorkerSpec
 
         spec = WorkerSpec(
-            config, str(dtype).removeprefix("torch."), num_pages, max_model_len, sample_vocab, sorted(eos_token_ids)
+            config,
+            str(dtype).removeprefix("torch."),
+            num_pages,
+            max_model_len,
+            sample_vocab,
+            sorted(eos_token_ids),
         )
         worker = DistributedExecutor(config, spec)  # type: ignore[assignment]  # a Worker over every rank
     else:
@@ -79,6 +87,9 @@ def build_engine(config: EngineConfig) -> Engine:
         kv_layout_tag=f"{layout.describe()}/{parallel.state_of(0).layout_tag}",
         max_model_len=max_model_len,
         num_kv_tokens=num_kv_tokens,
+        speculator=build_speculator(
+            config, model_config, worker, dtype, num_pages, max_model_len, sample_vocab, eos_token_ids
+        ),
     )
     logger.info(
         "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s, %s layout, %d bytes per token); "
@@ -95,6 +106,39 @@ def build_engine(config: EngineConfig) -> Engine:
         time.perf_counter() - started,
     )
     return engine
+
+
+def build_speculator(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    worker: Worker,
+    dtype: torch.dtype,
+    num_pages: int,
+    max_model_len: int,
+    sample_vocab_size: int,
+    eos_token_ids: set[int],
+) -> Speculator | None:
+    """The speculative decoder `--speculative-method` asks for (None: off); draft models load here."""
+    if config.speculative_method is None:
+        return None
+    proposer = build_proposer(
+        config.speculative_method,
+        config=config,
+        model_config=model_config,
+        target_worker=worker,
+        dtype=dtype,
+        device=worker.device,
+        num_pages=num_pages,
+        max_model_len=max_model_len,
+        sample_vocab_size=sample_vocab_size,
+        eos_token_ids=eos_token_ids,
+    )
+    logger.info(
+        "speculative decoding: %s, up to %d tokens per step",
+        config.speculative_method,
+        config.num_speculative_tokens,
+    )
+    return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch_size)
 
 
 def resolve_max_model_len(model_config: ModelConfig, requested: int | None, num_kv_tokens: int) -> int:

@@ -184,7 +184,17 @@ class Sampler:
         if flat_rows:
             logits[flat_rows, flat_cols] = float("-inf")
 
+    def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each (non-greedy) row samples from: penalties, min_tokens, temperature, min-p,
+        top-k, top-p applied; float32 `[len(rows), vocab_size]`. Speculative decoding's rejection sampler
+        verifies drafts against it."""
+        logits = self.processed_logits(logits, rows)
+        return self._probs(logits, rows)
+
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        return self._inverse_cdf_draw(self._probs(logits, rows), rows)
+
+    def _probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
         params = [row.params for row in rows]
         temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
@@ -208,8 +218,7 @@ class Sampler:
         elif any(k < vocab for k in top_k):
             logits = self._top_k_threshold(logits, top_k)
 
-        probs = torch.softmax(logits, dim=-1)
-        return self._inverse_cdf_draw(probs, rows)
+        return torch.softmax(logits, dim=-1)
 
     @staticmethod
     def _top_k_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float] | None) -> torch.Tensor:

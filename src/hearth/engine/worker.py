@@ -4,11 +4,11 @@ The engine (scheduler, KV bookkeeping, grammar state) never touches a tensor; th
 request object. Per-request state the worker keeps (seeded random generators) is dropped when a step
 names the request in `finished_request_ids`.
 
-Rows with draft tokens: a row with k drafts has 1 + k logits positions. Each position is sampled with the
-row's parameters (penalties and min_tokens counting the drafts before it), and the row keeps the longest
-run that agrees with the drafts plus the token after it: `sampled[:j + 1]` where j is the number of
-leading positions with `sampled[i] == draft[i]`. That is exact for greedy rows and exact in distribution
-for sampled ones (the speculative-decoding issue upgrades it to rejection sampling).
+Rows with draft tokens: a row with k drafts has 1 + k logits positions, each processed with the row's
+parameters (penalties and min_tokens counting the drafts before it). A greedy row keeps the longest run
+that agrees with the drafts plus the token after it: `sampled[:j + 1]` where j is the number of leading
+positions with `sampled[i] == draft[i]` (exact). A sampled row is verified by rejection sampling
+(`hearth.engine.spec.rejection`), which keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from hearth.distributed.topology import rank_kv_heads
 from hearth.engine.config import EngineConfig
 from hearth.engine.outputs import TokenLogprob
 from hearth.engine.sampler import Sampler, SamplingRow, make_generator
+from hearth.engine.spec.rejection import rejection_sample
 from hearth.engine.step_input import StepInput, StepSamplingRow
 from hearth.engine.structured_output import apply_bitmask
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
@@ -168,8 +169,14 @@ class Worker:
         return self.model(ids[:num_tokens], ids[num_tokens : 2 * num_tokens], ctx, ids[2 * num_tokens :])
 
     def _sample(self, logits: torch.Tensor, sampling: list[StepSamplingRow]) -> StepOutput:
-        rows: list[SamplingRow] = []
-        for row in sampling:
+        """Greedy rows and rows without drafts go through the sampler in one batch (a greedy row keeps the run
+        of drafts that agree with its argmax: exact); sampled rows with drafts are verified by rejection
+        sampling, which keeps the target's distribution (`hearth.engine.spec.rejection`)."""
+        rows: list[SamplingRow] = []  # the batched sampler's rows, one per logits position it samples
+        plain_positions: list[int] = []
+        verified: dict[int, tuple[list[int], list[TokenLogprob] | None]] = {}
+        position = 0
+        for index, row in enumerate(sampling):
             params = row.params
             generator = None
             if params.seed is not None:
@@ -180,23 +187,37 @@ class Worker:
             prompt = row.prompt_token_ids or []
             output = row.output_token_ids
             drafts = row.draft_token_ids
-            for i in range(1 + len(drafts)):
-                rows.append(
-                    SamplingRow(
-                        params=params,
-                        prompt_token_ids=prompt,
-                        output_token_ids=(output + drafts[:i] if i else output) if output is not None else [],
-                        generator=generator,
-                        num_output_tokens=row.num_output_tokens + i,
-                    )
+            row_positions = [
+                SamplingRow(
+                    params=params,
+                    prompt_token_ids=prompt,
+                    output_token_ids=(output + drafts[:i] if i else output) if output is not None else [],
+                    generator=generator,
+                    num_output_tokens=row.num_output_tokens + i,
                 )
-        sampled = self.sampler(logits, rows)
+                for i in range(1 + len(drafts))
+            ]
+            if drafts and not params.greedy:
+                row_logits = logits[position : position + 1 + len(drafts)]
+                verified[index] = rejection_sample(self.sampler, row_logits, row_positions, drafts)
+            else:
+                rows.extend(row_positions)
+                plain_positions.extend(range(position, position + 1 + len(drafts)))
+            position += 1 + len(drafts)
+        plain_logits = logits if not verified else logits[plain_positions]
+        sampled = self.sampler(plain_logits, rows)
         token_lists: list[list[int]] = []
         logprob_lists: list[list[TokenLogprob]] | None = (
             [] if any(row.params.logprobs is not None for row in sampling) else None
         )
         position = 0
-        for row in sampling:
+        for index, row in enumerate(sampling):
+            if index in verified:
+                tokens, logprobs = verified[index]
+                token_lists.append(tokens)
+                if logprob_lists is not None:
+                    logprob_lists.append(logprobs or [])
+                continue
             drafts = row.draft_token_ids
             tokens = sampled.token_ids[position : position + 1 + len(drafts)]
             kept = 0
@@ -204,7 +225,7 @@ class Worker:
                 kept += 1
             token_lists.append(tokens[: kept + 1])
             if logprob_lists is not None:
-                logprobs = sampled.logprobs[position : position + kept + 1]
-                logprob_lists.append([lp for lp in logprobs if lp is not None])
+                row_logprobs = sampled.logprobs[position : position + kept + 1]
+                logprob_lists.append([lp for lp in row_logprobs if lp is not None])
             position += 1 + len(drafts)
         return StepOutput(token_lists, logprob_lists)

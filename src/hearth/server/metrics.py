@@ -96,6 +96,57 @@ class _EngineCollector(Collector):
             "cached_tokens", "Prompt tokens served from the prefix cache.", stats.cached_tokens_total
         )
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        if getattr(stats, "spec_method", ""):
+            yield from _speculative_metrics(stats, self._model_name)
+
+
+def _speculative_metrics(stats: Any, model_name: str) -> Iterator[Metric]:
+    """Per method: drafts proposed and accepted, acceptance rate, mean accepted length (tokens per verified
+    row: accepted drafts + the one sampled after them)."""
+    labels, value = ["model_name", "method"], [model_name, stats.spec_method]
+    numbers = [
+        (
+            "spec_decode_num_drafts",
+            "Verified rows that carried draft tokens.",
+            stats.spec_num_drafts_total,
+            True,
+        ),
+        (
+            "spec_decode_num_draft_tokens",
+            "Draft tokens proposed and verified.",
+            stats.spec_draft_tokens_total,
+            True,
+        ),
+        (
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens the target accepted.",
+            stats.spec_accepted_tokens_total,
+            True,
+        ),
+    ]
+    drafts, proposed = stats.spec_num_drafts_total, stats.spec_draft_tokens_total
+    accepted = stats.spec_accepted_tokens_total
+    numbers.append(
+        (
+            "spec_decode_acceptance_rate",
+            "Accepted / proposed draft tokens.",
+            accepted / proposed if proposed else 0.0,
+            False,
+        )
+    )
+    numbers.append(
+        (
+            "spec_decode_mean_accepted_length",
+            "Tokens per verified row: 1 + accepted drafts per row.",
+            1.0 + accepted / drafts if drafts else 0.0,
+            False,
+        )
+    )
+    for name, doc, number, is_counter in numbers:
+        family_cls = CounterMetricFamily if is_counter else GaugeMetricFamily
+        family = family_cls(PREFIX + name, doc, labels=labels)
+        family.add_metric(value, number)
+        yield family
 
 
 class ServerMetrics:

@@ -1,0 +1,193 @@
+"""`draft`: a small model with the target's tokenizer proposes K tokens greedily.
+
+It runs through Hearth's own model and paged-KV code: a second `Worker` (model, KV pool, attention backend)
+in the same process, and a `KVCacheManager` of its own (no prefix caching) for its pages. Each request's
+draft KV is kept in step with the target lazily: before proposing, the draft compares the tokens its KV
+holds with the request's, truncates at the first difference (a rejected draft, or nothing yet), and
+computes the rest in one catch-up row (the whole prompt the first time) whose last logits give the first
+proposal; K-1 one-token steps give the others. A greedy proposal is a one-hot proposal distribution, which
+is what the rejection sampler assumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hearth.engine.config import EngineConfig
+from hearth.engine.spec.proposer import ProposalRequest, Proposer
+from hearth.engine.spec.registry import register_proposer
+from hearth.engine.step_input import StepInput
+from hearth.kv.manager import KVCacheManager
+from hearth.model.config import ModelConfig, ModelLoadError
+
+logger = logging.getLogger("hearth.spec")
+
+
+@dataclass(eq=False)
+class DraftSequence:
+    """A request's state in the draft's KV (a `PageHolder` for the draft's `KVCacheManager`)."""
+
+    token_ids: list[int] = field(default_factory=list)  # the tokens whose KV the draft holds, in order
+    num_matching: int = 0  # leading token_ids known equal to the request's (they never change)
+    page_ids: list[int] = field(default_factory=list)
+    page_generations: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    cached_page_count: int = 0
+    page_keys: list[bytes] = field(default_factory=list)
+    prefix_root: bytes = b""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.token_ids
+
+
+class DraftModelProposer(Proposer):
+    name = "draft"
+
+    def __init__(self, worker: Any, num_pages: int, page_size: int, vocab_size: int) -> None:
+        self.worker = worker  # hearth.engine.worker.Worker running the draft model
+        self.page_size = page_size
+        self.vocab_size = vocab_size  # proposals stay within the target's sampled vocabulary
+        self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=False)
+        self._sequences: dict[str, DraftSequence] = {}
+
+    def request_finished(self, request_id: str) -> None:
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is not None:
+            self.kv.free(sequence)
+
+    def propose(self, batch: list[ProposalRequest]) -> list[list[int]]:
+        proposals: list[list[int]] = [[] for _ in batch]
+        rows: list[tuple[int, DraftSequence, list[int]]] = []  # (index in batch, sequence, tokens to feed)
+        wanted = {r.request_id for r in batch}
+        for index, request in enumerate(batch):
+            sequence = self._sequences.setdefault(request.request_id, DraftSequence())
+            feed = self._reconcile(sequence, request.token_ids)
+            if not self.kv.allocate_slots(sequence, len(feed) + request.num_tokens - 1):
+                self._free_others(wanted)  # requests not proposed for now (preempted, waiting) give way
+                if not self.kv.allocate_slots(sequence, len(feed) + request.num_tokens - 1):
+                    continue
+            rows.append((index, sequence, feed))
+        while rows:
+            tokens = self._forward([(sequence, feed) for _, sequence, feed in rows])
+            survivors = []
+            for (index, sequence, _), token in zip(rows, tokens, strict=True):
+                proposals[index].append(token)
+                if len(proposals[index]) < batch[index].num_tokens:
+                    survivors.append((index, sequence, [token]))
+            rows = survivors
+        return proposals
+
+    def _reconcile(self, sequence: DraftSequence, token_ids: list[int]) -> list[int]:
+        """Drop the draft KV past the first token that differs from the request's; the tokens left to feed."""
+        held = sequence.token_ids
+        limit = min(len(held), len(token_ids))
+        matching = sequence.num_matching
+        while matching < limit and held[matching] == token_ids[matching]:
+            matching += 1
+        keep = min(matching, len(token_ids) - 1)  # the last token is always fed: its logits propose
+        sequence.num_matching = keep
+        if len(held) > keep:
+            del held[keep:]
+            self.kv.truncate(sequence, keep)
+        return token_ids[keep:]
+
+    def _free_others(self, keep_ids: set[str]) -> None:
+        for request_id in [r for r in self._sequences if r not in keep_ids]:
+            self.request_finished(request_id)
+
+    def _forward(self, rows: list[tuple[DraftSequence, list[int]]]) -> list[int]:
+        """One draft forward over the rows (each feeds its tokens after its computed ones); the greedy next token
+        of each row. One-token rows go first: the attention backend takes them as one decode batch."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]) != 1)
+        page_size = self.page_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        row_pages: list[list[int]] = []
+        logits_indices: list[int] = []
+        num_decode_rows = 0
+        for i in order:
+            sequence, feed = rows[i]
+            start = sequence.num_computed_tokens
+            end = start + len(feed)
+            if len(feed) == 1 and num_decode_rows == len(seq_lens):
+                num_decode_rows += 1
+            token_ids.extend(feed)
+            positions.extend(range(start, end))
+            page_ids = sequence.page_ids
+            slot_mapping.extend(
+                page_ids[p // page_size] * page_size + p % page_size for p in range(start, end)
+            )
+            query_start_loc.append(len(token_ids))
+            seq_lens.append(end)
+            row_pages.append(page_ids[: -(-end // page_size)])
+            logits_indices.append(len(token_ids) - 1)
+            sequence.token_ids.extend(feed)
+            sequence.num_computed_tokens = end
+        width = max(len(pages) for pages in row_pages)
+        page_table = [p for pages in row_pages for p in pages + [0] * (width - len(pages))]
+        step = StepInput(
+            token_ids=token_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            num_decode_rows=num_decode_rows,
+            page_table=page_table,
+            page_table_width=width,
+            slot_mapping=slot_mapping,
+            logits_indices=logits_indices,
+            sampling=[],
+        )
+        next_tokens = self.worker.forward(step)[:, : self.vocab_size].argmax(dim=-1).tolist()
+        out = [0] * len(rows)
+        for position, i in enumerate(order):
+            out[i] = next_tokens[position]
+        return out
+
+
+@register_proposer("draft", needs_model=True)
+def _build(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    num_pages: int,
+    max_model_len: int,
+    sample_vocab_size: int,
+    eos_token_ids: set[int],
+    device: torch.device,
+    **_context: Any,
+) -> DraftModelProposer:
+    from hearth.engine.worker import Worker, kv_layout_for
+
+    assert config.speculative_model is not None
+    draft_config = ModelConfig.from_dir(config.speculative_model)
+    if draft_config.vocab_size < sample_vocab_size:
+        raise ModelLoadError(
+            f"--speculative-model {config.speculative_model}: its vocabulary ({draft_config.vocab_size}) is "
+            f"smaller than the target's ({sample_vocab_size}); a draft model must share the target's tokenizer"
+        )
+    worker_config = dataclasses.replace(config, model=config.speculative_model, speculative_method=None)
+    layout = kv_layout_for(worker_config, draft_config, dtype)
+    # As many tokens as the target's cache, plus a page per sequence for the drafts past the target's tokens.
+    num_draft_pages = num_pages + config.max_num_seqs
+    worker = Worker(
+        worker_config,
+        draft_config,
+        dtype,
+        layout,
+        num_draft_pages,
+        max_model_len + config.num_speculative_tokens,
+        sample_vocab_size,
+        eos_token_ids,
+        device=device,
+    )
+    logger.info("draft model %s: %d KV pages", config.speculative_model, num_draft_pages)
+    return DraftModelProposer(worker, num_draft_pages, config.page_size, sample_vocab_size)

@@ -1,0 +1,37 @@
+"""The proposer interface: given running requests and how many tokens each may get, guess them."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ProposalRequest:
+    """One request to propose for: every token it has (prompt + output) and how many to guess."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_tokens: int  # how many to propose (>= 1)
+
+
+class Proposer(ABC):
+    """Guesses the next tokens of requests; the target verifies them, so a wrong guess costs time, not output.
+
+    Contract:
+    - `propose(batch)` returns, per request in order, at most `num_tokens` token ids (may be fewer or none).
+      Proposals are deterministic given the request's tokens (a proposal distribution that is one-hot),
+      which is what the rejection sampler assumes.
+    - Between calls the target may keep any prefix of the previous proposal: a proposer holding state per
+      request (a draft model's KV) reconciles with `token_ids` itself.
+    - `request_finished(request_id)` drops that state; it is called once for every request that ends.
+    """
+
+    name: str = "?"
+
+    @abstractmethod
+    def propose(self, batch: list[ProposalRequest]) -> list[list[int]]: ...
+
+    def request_finished(self, request_id: str) -> None:  # noqa: B027 (stateless proposers keep nothing)
+        """Drop whatever is kept for the request."""

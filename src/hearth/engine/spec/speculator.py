@@ -1,0 +1,175 @@
+"""What the engine holds for speculative decoding: drafts before each schedule, adaptive K, counters.
+
+Adaptive K: each request keeps a moving average of how many of its drafts the target accepted per step.
+It is proposed that average + 2 tokens (at most `--num-speculative-tokens`), so a request copying a JSON
+envelope climbs to the maximum within a step or two and one writing prose settles low; a request whose
+drafts keep failing (average acceptance rate below `_OFF_RATE`) stops proposing for `_COOLDOWN_STEPS`
+steps, then tries again with K=1. The whole step goes without drafts when more decode rows run than
+`--speculative-max-batch-size`: verification costs the target a token per draft, and in a large batch
+the matmuls are no longer free to widen.
+
+Below that size, whether speculation pays is measured, not assumed (`Payoff`): per decode batch size
+(powers of two), the wall seconds per output token of pure-decode steps with drafts and without; the
+cheaper choice is used, and the other is measured again every `_EXPLORE_EVERY_STEPS` steps, so a draft
+model that costs more than it saves (a small target, a busy CPU, a large batch) switches itself off.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hearth.engine.request import Request
+from hearth.engine.scheduler import ScheduledRequest
+from hearth.engine.spec.proposer import ProposalRequest, Proposer
+
+_EMA_WEIGHT = 0.5  # weight of the newest step in the averages
+_OFF_RATE = 0.15
+_COOLDOWN_STEPS = 16
+_EXPLORE_EVERY_STEPS = 16  # how often the batch size's losing choice (drafts or none) is measured again
+
+
+@dataclass
+class SpecStats:
+    """Counters for /metrics and `hearth bench` (totals since start)."""
+
+    method: str
+    num_drafts: int = 0  # verified rows that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verified row yields on average: accepted drafts + the token sampled after them."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class _Acceptance:
+    mean_accepted: float
+    rate: float = 1.0
+    num_observed: int = 0
+    cooldown_steps: int = 0
+
+
+@dataclass
+class Payoff:
+    """Seconds per output token of pure-decode steps, with and without drafts, per decode batch size bucket."""
+
+    cost_s: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, drafts) -> EMA s/token
+    num_decisions: int = 0
+
+    @staticmethod
+    def bucket(num_decode_rows: int) -> int:
+        return num_decode_rows.bit_length()
+
+    def use_drafts(self, num_decode_rows: int) -> bool:
+        bucket = self.bucket(num_decode_rows)
+        with_drafts = self.cost_s.get((bucket, True))
+        without = self.cost_s.get((bucket, False))
+        self.num_decisions += 1
+        if with_drafts is None:
+            return True
+        if without is None:
+            return False
+        explore = self.num_decisions % _EXPLORE_EVERY_STEPS == 0
+        return (with_drafts <= without) != explore
+
+    def record(self, num_decode_rows: int, used_drafts: bool, seconds: float, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        key = (self.bucket(num_decode_rows), used_drafts)
+        cost = seconds / num_tokens
+        old = self.cost_s.get(key)
+        self.cost_s[key] = cost if old is None else old + _EMA_WEIGHT * (cost - old)
+
+
+@dataclass
+class Speculator:
+    proposer: Proposer
+    max_num_tokens: int
+    max_batch_size: int
+    adaptive: bool = True
+    stats: SpecStats = field(init=False)
+    payoff: Payoff = field(default_factory=Payoff)
+    _acceptance: dict[str, _Acceptance] = field(default_factory=dict)
+    _step: tuple[float, int, bool] | None = None  # this step's start, decode rows, whether drafts were asked
+
+    def __post_init__(self) -> None:
+        self.stats = SpecStats(self.proposer.name)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `draft_token_ids` of the running requests that decode next step (the scheduler picks them up)."""
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        for request in running:
+            if request.draft_token_ids:
+                request.draft_token_ids = []
+        self._step = None
+        if not decoding or len(decoding) > self.max_batch_size:
+            return
+        use_drafts = not self.adaptive or self.payoff.use_drafts(len(decoding))
+        self._step = (time.perf_counter(), len(decoding), use_drafts)
+        if not use_drafts:
+            return
+        batch: list[ProposalRequest] = []
+        targets: list[Request] = []
+        for request in decoding:
+            # Room for drafts: the row samples one token anyway and must stay within max_tokens.
+            room = request.max_output_tokens - len(request.output_token_ids) - 1
+            num_tokens = min(self._num_tokens(request.request_id), room)
+            if num_tokens <= 0:
+                continue
+            batch.append(
+                ProposalRequest(request.request_id, request.token_ids, request.num_prompt_tokens, num_tokens)
+            )
+            targets.append(request)
+        if not batch:
+            return
+        for request, drafts in zip(targets, self.proposer.propose(batch), strict=True):
+            request.draft_token_ids = drafts
+
+    def step_finished(self, batch: list[ScheduledRequest], num_output_tokens: int) -> None:
+        """The step that `propose` began is done: record its cost if it only decoded (prefill chunks would blur it)."""
+        if self._step is None:
+            return
+        started, num_decode_rows, used_drafts = self._step
+        self._step = None
+        if all(item.num_new_tokens == 1 + len(item.draft_token_ids) for item in batch):
+            self.payoff.record(num_decode_rows, used_drafts, time.perf_counter() - started, num_output_tokens)
+
+    def _num_tokens(self, request_id: str) -> int:
+        if not self.adaptive:
+            return self.max_num_tokens
+        state = self._acceptance.get(request_id)
+        if state is None:
+            return self.max_num_tokens
+        if state.cooldown_steps > 0:
+            state.cooldown_steps -= 1
+            return 1 if state.cooldown_steps == 0 else 0
+        return max(1, min(self.max_num_tokens, int(state.mean_accepted) + 2))
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A verified row: `num_accepted` of its `num_drafts` drafts were kept by the target."""
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        state = self._acceptance.get(request_id)
+        if state is None:
+            state = self._acceptance[request_id] = _Acceptance(mean_accepted=float(num_accepted))
+        else:
+            state.mean_accepted += _EMA_WEIGHT * (num_accepted - state.mean_accepted)
+        state.rate += _EMA_WEIGHT * (num_accepted / num_drafts - state.rate)
+        state.num_observed += 1
+        if state.num_observed >= 3 and state.rate < _OFF_RATE:
+            state.cooldown_steps = _COOLDOWN_STEPS
+            state.rate = _OFF_RATE  # one good probe after the cooldown brings it back
+            state.num_observed = 0
+
+    def request_finished(self, request_id: str) -> None:
+        self._acceptance.pop(request_id, None)
+        self.proposer.request_finished(request_id)
