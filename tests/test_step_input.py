@@ -11,6 +11,7 @@ from hearth.engine.request import Request
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import ScheduledRequest as Row
 from hearth.engine.step_input import StepInput, StepInputBuilder
+from hearth.kv.integrity import PADDING_TAG
 
 PAGE_SIZE = 4
 
@@ -74,6 +75,7 @@ def test_builder_lays_out_tokens_positions_slots_and_pages():
     assert step.page_table_width == 2
     assert step.page_table == [3, 9, 5, 2, 7, 1, 8, 6, 0, 10]
     assert step.page_tags == [31, 91, 51, 21, 71, 11, 81, 61, 1, 101]
+
     # Pages past the computed tokens' were handed out for this step: their tags go to the pool.
     assert step.tag_page_ids == [2, 1, 6, 10]
     assert step.tag_values == [21, 11, 61, 101]
@@ -82,6 +84,14 @@ def test_builder_lays_out_tokens_positions_slots_and_pages():
     assert [row.request_id for row in step.sampling] == ["a", "b", "d", "e"]
     assert step.sampling[3].draft_token_ids == [35, 36]
     assert [row.num_output_tokens for row in step.sampling] == [3, 1, 0, 1]
+
+
+def test_expected_tags_are_laid_out_like_the_page_table():
+    short = make_request("s", [1, 2], [3], computed=2, page_ids=[4])
+    long = make_request("l", list(range(9)), [], computed=0, page_ids=[9, 8, 7])
+    step = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build([Row(short, 1), Row(long, 9)])
+    assert step.page_table == [4, 0, 0, 9, 8, 7]
+    assert step.page_tags == [41, PADDING_TAG, PADDING_TAG, 91, 81, 71]
 
 
 def test_a_long_row_pads_the_page_table_of_the_others():

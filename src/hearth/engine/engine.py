@@ -13,14 +13,16 @@ from itertools import count
 import torch
 
 from hearth.engine.config import EngineConfig
+from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR, KVIntegrityPolicy
 from hearth.engine.messages import CoreOutput, EngineRequest, EngineStats
 from hearth.engine.outputs import FinishReason, TokenLogprob
-from hearth.engine.request import Request
+from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hearth.engine.worker import StepOutput, Worker
+from hearth.kv.integrity import PageTagMismatch
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.prefix_keys import root_key
 from hearth.model.config import ModelConfig
@@ -50,7 +52,8 @@ class Engine:
         self.kv = kv
         self.scheduler = scheduler
         self.worker = worker
-        self.step_inputs = StepInputBuilder(config.page_size)
+        self.step_inputs = StepInputBuilder(config.page_size, check_page_tags=config.kv_integrity)
+        self.integrity = KVIntegrityPolicy(scheduler, config.kv_integrity_action)  # type: ignore[arg-type]
         self.structured = structured
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -126,7 +129,9 @@ class Engine:
         return self._process_outputs(scheduled.scheduled, step_output)
 
     def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[CoreOutput]:
-        """Cut each row's tokens where the request ends, advance the scheduler, and report."""
+        """Stop the rows that failed the KV integrity check, cut each other row's tokens where the request
+        ends, advance the scheduler, and report."""
+        failed = self._stop_failed_rows(batch, step_output.kv_mismatches) if step_output.kv_mismatches else []
         kept_tokens: list[list[int]] = []
         endings: list[tuple[Request, list[int], list[TokenLogprob] | None, FinishReason | None]] = []
         logprob_lists = step_output.logprobs or [None] * len(step_output.sampled_token_ids)
@@ -136,17 +141,30 @@ class Engine:
                 kept_tokens.append([])
                 continue
             tokens, logprobs = next(sampled)
+            if item.request.status is not RequestStatus.RUNNING:  # failed the integrity check just now
+                kept_tokens.append([])
+                continue
             num_kept, finish_reason = self._check_stop(item.request, tokens)
             kept_tokens.append(tokens[:num_kept])
             endings.append(
                 (item.request, tokens[:num_kept], logprobs[:num_kept] if logprobs else None, finish_reason)
             )
         self.scheduler.update(batch, kept_tokens)
-        return [
+        return failed + [
             self._output(request, tokens, logprobs)
             if finish_reason is None
             else self._finish(request, tokens, logprobs, finish_reason, error=request.error)
             for request, tokens, logprobs, finish_reason in endings
+        ]
+
+    def _stop_failed_rows(
+        self, batch: list[ScheduledRequest], mismatches: list[PageTagMismatch]
+    ) -> list[CoreOutput]:
+        """Rows whose pages were not theirs: recomputed (back to waiting) or ended with an error; none of
+        this step's tokens is kept for them."""
+        return [
+            self._finish(request, [], None, "error", error=message, error_code=KV_INTEGRITY_ERROR)
+            for request, message in self.integrity.handle(batch, mismatches)
         ]
 
     def _check_stop(self, request: Request, tokens: list[int]) -> tuple[int, FinishReason | None]:
@@ -186,11 +204,13 @@ class Engine:
         logprobs: list[TokenLogprob] | None,
         finish_reason: FinishReason,
         error: str | None = None,
+        error_code: str | None = None,
     ) -> CoreOutput:
         output = self._output(request, tokens, logprobs)
         output.finish_reason = finish_reason
         output.stop_reason = request.stop_reason
         output.error = error
+        output.error_code = error_code
         output.ends_with_stop_token = (
             finish_reason == "stop"
             and bool(tokens)
@@ -218,6 +238,7 @@ class Engine:
             cached_tokens_total=self._totals["cached"],
             generation_tokens_total=self._totals["generated"],
             num_preemptions_total=self._totals["preempted"],
+            kv_integrity_failures_total=self.integrity.num_failures,
         )
 
 

@@ -19,6 +19,7 @@ import msgspec
 import torch
 
 from hearth.engine.sampling_params import SamplingParams
+from hearth.kv.integrity import PADDING_TAG
 
 if TYPE_CHECKING:
     from hearth.engine.scheduler import ScheduledRequest
@@ -51,8 +52,8 @@ class StepInput(msgspec.Struct, omit_defaults=True):
     - `query_start_loc` (num_rows + 1, cu_seqlens) and `seq_lens` (context length per row after this step).
     - `page_table`: row-major `[num_rows, page_table_width]`; row r's first ceil(seq_lens[r] / page_size)
       entries are its pages in position order, the rest is padding (page 0).
-    - `page_tags`: the generation tag expected of every page a row reads (those same entries, rows
-      concatenated), for the integrity check; empty when checking is off.
+    - `page_tags`: the generation tag expected of every page a row reads, laid out like `page_table`
+      (padding entries `PADDING_TAG`), for the integrity check; empty when checking is off.
     - `tag_page_ids`/`tag_values`: pages handed out since the last step and their new tags, for the pool's
       tag tensor.
     - `logits_indices`: flat-batch rows whose logits are sampled, 1 + len(drafts) consecutive ones per
@@ -128,7 +129,7 @@ class StepInputBuilder:
         logits_indices: list[int] = []
         sampling: list[StepSamplingRow] = []
         row_pages: list[list[int]] = []
-        page_tags: list[int] = []
+        row_tags: list[list[int]] = []
         tag_page_ids, self._tag_page_ids = self._tag_page_ids, []
         tag_values, self._tag_values = self._tag_values, []
         constrained: list[tuple[int, GrammarMatcher, list[int]]] = []
@@ -169,7 +170,7 @@ class StepInputBuilder:
             query_start_loc.append(len(token_ids))
             generations = request.page_generations
             if check_tags:
-                page_tags.extend(generations[:num_pages])
+                row_tags.append(generations[:num_pages])
             # Pages past those holding computed tokens were handed out by this schedule(): new tags.
             for index in range(-(-start // page_size), num_pages):
                 tag_page_ids.append(page_ids[index])
@@ -196,6 +197,11 @@ class StepInputBuilder:
             page_table.extend(pages)
             if len(pages) < width:
                 page_table.extend([0] * (width - len(pages)))
+        page_tags: list[int] = []
+        for tags in row_tags:
+            page_tags.extend(tags)
+            if len(tags) < width:
+                page_tags.extend([PADDING_TAG] * (width - len(tags)))
         step = StepInput(
             token_ids=token_ids,
             positions=positions,
