@@ -121,8 +121,7 @@ class Engine:
     def step(self) -> list[CoreOutput]:
         scheduled = self.scheduler.schedule()
         self._totals["preempted"] += len(scheduled.preempted)
-        for load in scheduled.kv_loads:  # pages whose KV arrives from elsewhere get their tags too
-            self.step_inputs.pages_allocated(load.page_ids, load.page_generations)
+        self.step_inputs.pages_allocated(*self.kv.take_allocated())  # the pool's tags, from the allocator
         if not scheduled.scheduled:
             return []
         step_output = self.worker.execute(self.step_inputs.build(scheduled.scheduled, self.structured))
@@ -131,13 +130,14 @@ class Engine:
     def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[CoreOutput]:
         """Stop the rows that failed the KV integrity check, cut each other row's tokens where the request
         ends, advance the scheduler, and report."""
+        samples = [item.samples for item in batch]  # read before a failure resets a request's progress
         failed = self._stop_failed_rows(batch, step_output.kv_mismatches) if step_output.kv_mismatches else []
         kept_tokens: list[list[int]] = []
         endings: list[tuple[Request, list[int], list[TokenLogprob] | None, FinishReason | None]] = []
         logprob_lists = step_output.logprobs or [None] * len(step_output.sampled_token_ids)
         sampled = iter(zip(step_output.sampled_token_ids, logprob_lists, strict=True))
-        for item in batch:
-            if not item.samples:
+        for item, item_samples in zip(batch, samples, strict=True):
+            if not item_samples:
                 kept_tokens.append([])
                 continue
             tokens, logprobs = next(sampled)

@@ -65,6 +65,9 @@ class KVCacheManager:
     stats: PrefixStats = field(default_factory=PrefixStats)
     faults: KVFaultInjector | None = None  # HEARTH_KV_FAULTS, tests only
     num_stale_pages: int = 0  # releases skipped because the page was no longer the holder's (a fault)
+    # Pages handed out since `take_allocated` and the tags they got: the worker's pool learns tags from here.
+    _allocated_page_ids: list[int] = field(default_factory=list)
+    _allocated_tags: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.allocator = PageAllocator(self.num_pages)
@@ -157,11 +160,20 @@ class KVCacheManager:
                 page_id
             ):  # freed under its name (a fault): its KV is about to change
                 self.prefix_cache.forget_page(page_id)
+            tag = self.allocator.generations[page_id]
             holder.page_ids.append(page_id)
-            holder.page_generations.append(self.allocator.generations[page_id])
+            holder.page_generations.append(tag)
+            self._allocated_page_ids.append(page_id)
+            self._allocated_tags.append(tag)
             if self.faults is not None:
                 self.faults.after_allocation(self)
         return True
+
+    def take_allocated(self) -> tuple[list[int], list[int]]:
+        """(page ids, tags) handed out since the last call, in order, for the pool's tag tensor."""
+        taken = self._allocated_page_ids, self._allocated_tags
+        self._allocated_page_ids, self._allocated_tags = [], []
+        return taken
 
     def cache_full_pages(self, holder: PageHolder) -> None:
         """Name every page that became full of computed tokens, so later requests can reuse it."""
