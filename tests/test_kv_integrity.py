@@ -283,7 +283,9 @@ def test_abort_action_fails_the_request_at_its_first_mismatch():
 
 def test_no_false_positives_on_a_long_mixed_run():
     """Prefix reuse, preemption in a small pool, chunked prefill, and aborts; no faults: nothing trips."""
-    engine, _, audit, _, verdict = run_hash({}, True, 800, abort=0.003, num_pages=48, max_num_batched_tokens=24)
+    engine, _, audit, _, verdict = run_hash(
+        {}, True, 800, abort=0.003, num_pages=48, max_num_batched_tokens=24
+    )
     assert engine.integrity.num_failures == 0 and not audit.inconsistent
     assert verdict.num_wrong == 0 and verdict.num_error == 0 and verdict.num_aborted > 0
     assert engine.stats().num_preemptions_total > 0 and engine.kv.stats.hit_tokens > 0
