@@ -296,3 +296,32 @@ def test_engine_options_name_the_integrity_settings():
     assert EngineConfig(model="m").kv_integrity_action == "recompute"
     with pytest.raises(ValueError, match="kv_integrity_action"):
         EngineConfig(model="m", kv_integrity_action="ignore")
+
+
+class RecordingScheduler:
+    def __init__(self) -> None:
+        self.recomputed: list[str] = []
+        self.forgotten: list[str] = []
+
+    def recompute(self, request: Request, suspect: list[int]) -> None:
+        self.recomputed.append(request.request_id)
+
+    def forget_suspect_pages(self, request: Request, suspect: list[int]) -> None:
+        self.forgotten.append(request.request_id)
+
+
+def test_a_recompute_that_fails_again_before_any_progress_ends_in_error():
+    from hearth.engine.kv_integrity import KVIntegrityPolicy
+    from hearth.kv.integrity import PageTagMismatch
+
+    scheduler = RecordingScheduler()
+    policy = KVIntegrityPolicy(scheduler)  # type: ignore[arg-type]
+    request = make_request("r", [1, 2, 3], [4], computed=3, pages=[5])
+    batch = [Row(request, 1)]
+    mismatch = [PageTagMismatch(0, 0, 5, 105, 7)]
+    assert policy.handle(batch, mismatch) == [] and scheduler.recomputed == ["r"]
+    request.token_ids.append(9)  # the recompute got past the failure: a later failure is a new incident
+    assert policy.handle(batch, mismatch) == [] and scheduler.recomputed == ["r", "r"]
+    [(failed, message)] = policy.handle(batch, mismatch)  # failed again with no new token: it persists
+    assert failed is request and "3 time(s)" in message and "expected tag 105, found 7" in message
+    assert policy.num_failures == 3 and policy.num_recomputed == 2
