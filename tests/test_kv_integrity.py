@@ -325,3 +325,31 @@ def test_a_recompute_that_fails_again_before_any_progress_ends_in_error():
     [(failed, message)] = policy.handle(batch, mismatch)  # failed again with no new token: it persists
     assert failed is request and "3 time(s)" in message and "expected tag 105, found 7" in message
     assert policy.num_failures == 3 and policy.num_recomputed == 2
+
+
+# ---- content checks where pages cross a boundary --------------------------------------------------------
+
+
+def test_page_checksums_find_the_one_corrupted_page_of_a_transfer():
+    from hearth.kv.integrity import failing_pages, page_checksums
+    from hearth.kv.pool import KVLayout, KVPool
+
+    pool = KVPool(KVLayout(2, 2, 4, PAGE_SIZE, torch.float32), 6)
+    pool.storage.normal_()
+    sent = pool.read_pages([1, 4, 5])
+    checksums = page_checksums(sent)
+    assert len(set(checksums)) == 3
+    received = sent.clone()
+    received[1, 0, 2, 3, 1, 0] += 1.0  # one value of the last page, in the second layer's K
+    assert failing_pages(received, checksums) == [2]
+    assert failing_pages(sent, checksums) == []
+
+
+def test_a_load_for_pages_handed_to_someone_else_is_dropped():
+    from hearth.kv.integrity import StalePageError, check_destination_tags
+
+    tags = torch.tensor([0, 11, 12, 13])
+    check_destination_tags(tags, [1, 3], [11, 13])
+    tags[3] = 20  # the request was aborted and page 3 reallocated before the load arrived
+    with pytest.raises(StalePageError, match="dropped"):
+        check_destination_tags(tags, [1, 3], [11, 13])

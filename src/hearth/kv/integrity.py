@@ -120,3 +120,43 @@ def _describe(
 
 def make_page_tag_check(enabled: bool) -> PageTagCheck:
     return BatchedPageTagCheck() if enabled else NoPageTagCheck()
+
+
+# ---- where pages cross a boundary (PD transfer, host/disk/cluster tiers) --------------------------------
+#
+# The sender or writer checksums each page's bytes as `KVPool.read_pages` lays them out; the receiver or
+# reader verifies them before `write_pages` and recomputes the pages that fail. The receiver also writes only
+# into pages that still carry the tags they had when the load was started (`KVLoad.page_generations`): a
+# load that arrives after its request was aborted, and its pages handed to someone else, is dropped.
+
+
+class StalePageError(RuntimeError):
+    """A load's destination pages were handed to another request (their tags changed) before it landed."""
+
+
+def page_checksums(pages: torch.Tensor) -> list[int]:
+    """One xxh3-64 per page of a `read_pages` tensor `[num_layers, 2, num_pages, ...]` (every layer's K and V)."""
+    from hearth.kv.checksum import page_checksum
+
+    by_page = pages.movedim(2, 0)
+    return [page_checksum(by_page[index]) for index in range(by_page.shape[0])]
+
+
+def failing_pages(pages: torch.Tensor, checksums: Sequence[int]) -> list[int]:
+    """Indices (along the page dimension) of the pages whose bytes do not match their writer's checksums."""
+    found = page_checksums(pages)
+    if len(found) != len(checksums):
+        raise ValueError(f"{len(found)} pages but {len(checksums)} checksums")
+    return [index for index, (have, want) in enumerate(zip(found, checksums, strict=True)) if have != want]
+
+
+def check_destination_tags(pool_tags: torch.Tensor, page_ids: Sequence[int], tags: Sequence[int]) -> None:
+    """Raise `StalePageError` unless every destination page still carries the tag recorded for the load."""
+    if not page_ids:
+        return
+    found = pool_tags.index_select(0, torch.tensor(list(page_ids), dtype=torch.long).to(pool_tags.device))
+    expected = torch.tensor(list(tags), dtype=torch.long).to(pool_tags.device)
+    if not bool(torch.equal(found, expected)):
+        raise StalePageError(
+            f"pages {list(page_ids)} now carry tags {found.tolist()}, the load was for {list(tags)}: dropped"
+        )
