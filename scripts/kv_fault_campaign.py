@@ -107,7 +107,12 @@ def make_engines(args: argparse.Namespace) -> tuple[Engine, Engine | None]:
             kv_integrity_action=args.action,
         )
 
-    return build_engine(config(integrity)), build_engine(config(False))
+    engines = build_engine(config(integrity)), build_engine(config(False))
+    for engine in engines:
+        # KVPool storage is torch.empty: recycled memory may hold NaN bit patterns, and the attention
+        # backends read whole pages (0 x NaN = NaN past a row's context); zeroed so the baseline is sound.
+        engine.worker.kv_pool.storage.zero_()
+    return engines
 
 
 def main() -> None:
