@@ -104,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hearth serve: {exc}", file=sys.stderr)
         return 2
+    if engine_config.node_rank > 0:  # this host only runs ranks; node 0 serves the API
+        from hearth.distributed.node import run_node
+
+        return run_node(engine_config)
     server_config = ServerConfig(
         model_name=engine_config.model_name,
         api_key=args.api_key or None,
