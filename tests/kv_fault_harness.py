@@ -63,6 +63,7 @@ class HashWorker(Worker):
         layout = KVLayout(1, 1, 1, page_size, torch.float32)
         self.kv_pool = KVPool(layout, num_pages)
         self.page_tag_check = make_page_tag_check(kv_integrity)
+        self.is_sampling_rank = True
         self.sampler = Sampler(HASH_VOCAB, set())
         self._generators = {}
         self.model = None  # type: ignore[assignment]

@@ -166,6 +166,8 @@ class Worker:
         """The step without the failing rows; their sampling rows get no tokens."""
         kept, kept_sampling = without_rows(step, {mismatch.row for mismatch in mismatches})
         output = self._run(kept) if kept.token_ids else StepOutput([])
+        if len(output.sampled_token_ids) != len(kept_sampling):  # a rank that does not sample
+            return StepOutput([], None, mismatches)
         sampled: list[list[int]] = [[] for _ in step.sampling]
         logprobs: list[list[TokenLogprob]] | None = [[] for _ in step.sampling] if output.logprobs else None
         for index, tokens in zip(kept_sampling, output.sampled_token_ids, strict=True):
