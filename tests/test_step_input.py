@@ -11,6 +11,7 @@ from hearth.engine.request import Request
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import ScheduledRequest as Row
 from hearth.engine.step_input import StepInput, StepInputBuilder
+from hearth.kv.integrity import PADDING_TAG
 
 PAGE_SIZE = 4
 
@@ -74,14 +75,21 @@ def test_builder_lays_out_tokens_positions_slots_and_pages():
     assert step.page_table_width == 2
     assert step.page_table == [3, 9, 5, 2, 7, 1, 8, 6, 0, 10]
     assert step.page_tags == [31, 91, 51, 21, 71, 11, 81, 61, 1, 101]
-    # Pages past the computed tokens' were handed out for this step: their tags go to the pool.
-    assert step.tag_page_ids == [2, 1, 6, 10]
-    assert step.tag_values == [21, 11, 61, 101]
+
+    assert step.tag_page_ids == [] and step.tag_values == []  # only pages the allocator reported get tags
     # The mid-prompt chunk does not sample; the draft row samples at its last known token and each draft.
     assert step.logits_indices == [0, 1, 10, 11, 12, 13]
     assert [row.request_id for row in step.sampling] == ["a", "b", "d", "e"]
     assert step.sampling[3].draft_token_ids == [35, 36]
     assert [row.num_output_tokens for row in step.sampling] == [3, 1, 0, 1]
+
+
+def test_expected_tags_are_laid_out_like_the_page_table():
+    short = make_request("s", [1, 2], [3], computed=2, page_ids=[4])
+    long = make_request("l", list(range(9)), [], computed=0, page_ids=[9, 8, 7])
+    step = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build([Row(short, 1), Row(long, 9)])
+    assert step.page_table == [4, 0, 0, 9, 8, 7]
+    assert step.page_tags == [41, PADDING_TAG, PADDING_TAG, 91, 81, 71]
 
 
 def test_a_long_row_pads_the_page_table_of_the_others():
@@ -102,6 +110,16 @@ def test_penalty_rows_carry_their_history_and_others_do_not():
     step = StepInputBuilder(PAGE_SIZE).build([Row(penalized, 1), Row(plain, 1)])
     assert step.sampling[0].prompt_token_ids == [1, 2] and step.sampling[0].output_token_ids == [3]
     assert step.sampling[1].prompt_token_ids is None and step.sampling[1].output_token_ids is None
+
+
+def test_tags_of_handed_out_pages_are_sent_once_and_the_last_tag_of_a_page_wins():
+    builder = StepInputBuilder(PAGE_SIZE)
+    builder.pages_allocated([2, 1], [21, 11])
+    builder.pages_allocated([2, 6], [25, 61])  # page 2 handed out again before the step ran
+    step = builder.build([])
+    assert dict(zip(step.tag_page_ids, step.tag_values)) == {2: 25, 1: 11, 6: 61}
+    assert len(step.tag_page_ids) == 3
+    assert builder.build([]).tag_page_ids == []
 
 
 def test_finished_request_ids_are_sent_once():

@@ -12,6 +12,13 @@ from hearth.kv.dtypes import KV_CACHE_DTYPE_CHOICES, check_kv_cache_dtype
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+KV_INTEGRITY_ACTIONS = ("recompute", "abort")
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     # Speculation turns itself off for a step with more decode rows than this (verification stops paying).
     speculative_max_batch_size: int = 32
+    kv_integrity: bool = True  # check every step's page tables against the pages' tags (hearth.kv.integrity)
+    kv_integrity_action: str = "recompute"  # on a mismatch: "recompute" once, then fail; or "abort" at once
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -57,6 +66,11 @@ class EngineConfig:
             raise ValueError("page_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.kv_integrity_action not in KV_INTEGRITY_ACTIONS:
+            raise ValueError(
+                f"kv_integrity_action must be one of {', '.join(KV_INTEGRITY_ACTIONS)}, "
+                f"got {self.kv_integrity_action!r}"
+            )
         from hearth.distributed.topology import ParallelConfig  # torch-free: checks sizes and nodes
 
         ParallelConfig(
@@ -134,6 +148,19 @@ class EngineConfig:
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
         group.add_argument(
             "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)"
+        )
+        group.add_argument(
+            "--kv-integrity",
+            type=_on_off,
+            default=True,
+            metavar="{on,off}",
+            help="check each step's KV page tables against the pages' tags before the model reads them",
+        )
+        group.add_argument(
+            "--kv-integrity-action",
+            default="recompute",
+            choices=KV_INTEGRITY_ACTIONS,
+            help="on a page tag mismatch: recompute the request once (then fail it), or fail it at once",
         )
         parallel = parser.add_argument_group("parallelism (hearth.distributed)")
         parallel.add_argument(

@@ -14,15 +14,17 @@ import torch
 
 from hearth.engine.config import EngineConfig
 from hearth.engine.kv_connector import KVConnector, KVLoadCoordinator
+from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR, KVIntegrityPolicy
 from hearth.engine.messages import CoreOutput, EngineRequest, EngineStats
 from hearth.engine.outputs import FinishReason, TokenLogprob
-from hearth.engine.request import Request
+from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
 from hearth.engine.spec import Speculator
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hearth.engine.worker import StepOutput, Worker
+from hearth.kv.integrity import PageTagMismatch
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.prefix_keys import root_key
 from hearth.model.config import ModelConfig
@@ -54,7 +56,8 @@ class Engine:
         self.kv = kv
         self.scheduler = scheduler
         self.worker = worker
-        self.step_inputs = StepInputBuilder(config.page_size)
+        self.step_inputs = StepInputBuilder(config.page_size, check_page_tags=config.kv_integrity)
+        self.integrity = KVIntegrityPolicy(scheduler, config.kv_integrity_action)  # type: ignore[arg-type]
         self.kv_loads = KVLoadCoordinator(scheduler, kv_connectors or [], config.page_size)
         self.structured = structured
         self.eos_token_ids = eos_token_ids
@@ -127,8 +130,7 @@ class Engine:
             self.speculator.propose(self.scheduler.running)  # drafts for the scheduler to add to decode rows
         scheduled = self.scheduler.schedule()
         self._totals["preempted"] += len(scheduled.preempted)
-        for load in scheduled.kv_loads:  # pages whose KV arrives from elsewhere get their tags too
-            self.step_inputs.pages_allocated(load.page_ids, load.page_generations)
+        self.step_inputs.pages_allocated(*self.kv.take_allocated())  # the pool's tags, from the allocator
         self.kv_loads.start(scheduled.kv_loads)
         if not scheduled.scheduled:
             return []
@@ -139,16 +141,22 @@ class Engine:
         return outputs
 
     def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[CoreOutput]:
-        """Cut each row's tokens where the request ends, advance the scheduler, and report."""
+        """Stop the rows that failed the KV integrity check, cut each other row's tokens where the request
+        ends, advance the scheduler, and report."""
+        samples = [item.samples for item in batch]  # read before a failure resets a request's progress
+        failed = self._stop_failed_rows(batch, step_output.kv_mismatches) if step_output.kv_mismatches else []
         kept_tokens: list[list[int]] = []
         endings: list[tuple[Request, list[int], list[TokenLogprob] | None, FinishReason | None]] = []
         logprob_lists = step_output.logprobs or [None] * len(step_output.sampled_token_ids)
         sampled = iter(zip(step_output.sampled_token_ids, logprob_lists, strict=True))
-        for item in batch:
-            if not item.samples:
+        for item, item_samples in zip(batch, samples, strict=True):
+            if not item_samples:
                 kept_tokens.append([])
                 continue
             tokens, logprobs = next(sampled)
+            if item.request.status is not RequestStatus.RUNNING:  # failed the integrity check just now
+                kept_tokens.append([])
+                continue
             if item.draft_token_ids and self.speculator is not None:
                 self.speculator.observe(item.request.request_id, len(item.draft_token_ids), len(tokens) - 1)
             num_kept, finish_reason = self._check_stop(item.request, tokens)
@@ -157,11 +165,21 @@ class Engine:
                 (item.request, tokens[:num_kept], logprobs[:num_kept] if logprobs else None, finish_reason)
             )
         self.scheduler.update(batch, kept_tokens)
-        return [
+        return failed + [
             self._output(request, tokens, logprobs)
             if finish_reason is None
             else self._finish(request, tokens, logprobs, finish_reason, error=request.error)
             for request, tokens, logprobs, finish_reason in endings
+        ]
+
+    def _stop_failed_rows(
+        self, batch: list[ScheduledRequest], mismatches: list[PageTagMismatch]
+    ) -> list[CoreOutput]:
+        """Rows whose pages were not theirs: recomputed (back to waiting) or ended with an error; none of
+        this step's tokens is kept for them."""
+        return [
+            self._finish(request, [], None, "error", error=message, error_code=KV_INTEGRITY_ERROR)
+            for request, message in self.integrity.handle(batch, mismatches)
         ]
 
     def _check_stop(self, request: Request, tokens: list[int]) -> tuple[int, FinishReason | None]:
@@ -201,11 +219,13 @@ class Engine:
         logprobs: list[TokenLogprob] | None,
         finish_reason: FinishReason,
         error: str | None = None,
+        error_code: str | None = None,
     ) -> CoreOutput:
         output = self._output(request, tokens, logprobs)
         output.finish_reason = finish_reason
         output.stop_reason = request.stop_reason
         output.error = error
+        output.error_code = error_code
         output.ends_with_stop_token = (
             finish_reason == "stop"
             and bool(tokens)
@@ -237,6 +257,7 @@ class Engine:
             cached_tokens_total=self._totals["cached"],
             generation_tokens_total=self._totals["generated"],
             num_preemptions_total=self._totals["preempted"],
+            kv_integrity_failures_total=self.integrity.num_failures,
             spec_method=spec.method if spec else "",
             spec_num_drafts_total=spec.num_drafts if spec else 0,
             spec_draft_tokens_total=spec.num_draft_tokens if spec else 0,

@@ -18,6 +18,7 @@ from hearth.engine.scheduler import Scheduler
 from hearth.engine.spec import Speculator, build_proposer
 from hearth.engine.structured_output import StructuredOutputManager
 from hearth.engine.worker import Worker, kv_layout_for
+from hearth.kv.faults import KVFaultInjector
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.pool import KVPool
 from hearth.model.config import ModelConfig, ModelLoadError
@@ -54,6 +55,11 @@ def build_engine(config: EngineConfig) -> Engine:
     num_kv_tokens = num_pages * config.page_size
     max_model_len = resolve_max_model_len(model_config, config.max_model_len, num_kv_tokens)
     kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
+    scheduler = Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs)
+    kv.faults = KVFaultInjector.from_env(config.seed)  # HEARTH_KV_FAULTS (tests); None when unset
+    if kv.faults is not None:
+        kv.faults.victims = lambda: scheduler.running
+        logger.warning("KV fault injection is on: %s", kv.faults.probabilities)
     eos_token_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
     # The embedding may be padded past the tokenizer's ids; those columns are never sampled.
     sample_vocab = min(model_config.vocab_size, tokenizer.vocab_size)
@@ -79,7 +85,7 @@ def build_engine(config: EngineConfig) -> Engine:
         model_config=model_config,
         tokenizer=tokenizer,
         kv=kv,
-        scheduler=Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs),
+        scheduler=scheduler,
         worker=worker,
         structured=StructuredOutputManager(tokenizer, eos_token_ids),
         eos_token_ids=eos_token_ids,

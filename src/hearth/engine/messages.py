@@ -43,6 +43,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     rejected_param: str | None = None
     ends_with_stop_token: bool = False  # the last token is EOS or a stop token: counted, not shown as text
+    error_code: str | None = None  # with "error": a code for clients, e.g. "kv_integrity_error"
 
     @property
     def finished(self) -> bool:
@@ -75,6 +76,7 @@ class EngineStats(msgspec.Struct):
     spec_num_drafts_total: int = 0  # verified rows that carried drafts
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
+    kv_integrity_failures_total: int = 0  # request-steps whose page tags did not match
 
 
 class ShutdownCore(msgspec.Struct, tag=True):

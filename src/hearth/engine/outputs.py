@@ -35,6 +35,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    error_code: str | None = None  # with "error": what clients see as the error's `code`
 
     @property
     def finished(self) -> bool:

@@ -297,6 +297,19 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def recompute(self, request: Request, suspect_page_indices: list[int]) -> None:
+        """A running request whose page table failed the integrity check goes back through the preemption
+        path: its pages are released (the suspect ones never reused from the prefix cache) and it waits, at
+        the head of the queue, to be recomputed from its tokens so far."""
+        self.running.remove(request)
+        self.kv.forget_cached_pages(request, suspect_page_indices)
+        request.draft_token_ids = []  # proposed for this very context: still valid, but re-proposed anyway
+        self._preempt(request)
+
+    def forget_suspect_pages(self, request: Request, suspect_page_indices: list[int]) -> None:
+        """Before a request that failed the integrity check is finished: its suspect pages stay uncached."""
+        self.kv.forget_cached_pages(request, suspect_page_indices)
+
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request wherever it is and free its pages."""
         if request.status is RequestStatus.RUNNING:

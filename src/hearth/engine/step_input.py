@@ -19,6 +19,7 @@ import msgspec
 import torch
 
 from hearth.engine.sampling_params import SamplingParams
+from hearth.kv.integrity import PADDING_TAG
 
 if TYPE_CHECKING:
     from hearth.engine.scheduler import ScheduledRequest
@@ -51,10 +52,10 @@ class StepInput(msgspec.Struct, omit_defaults=True):
     - `query_start_loc` (num_rows + 1, cu_seqlens) and `seq_lens` (context length per row after this step).
     - `page_table`: row-major `[num_rows, page_table_width]`; row r's first ceil(seq_lens[r] / page_size)
       entries are its pages in position order, the rest is padding (page 0).
-    - `page_tags`: the generation tag expected of every page a row reads (those same entries, rows
-      concatenated), for the integrity check; empty when checking is off.
-    - `tag_page_ids`/`tag_values`: pages handed out since the last step and their new tags, for the pool's
-      tag tensor.
+    - `page_tags`: the generation tag expected of every page a row reads, laid out like `page_table`
+      (padding entries `PADDING_TAG`), for the integrity check; empty when checking is off.
+    - `tag_page_ids`/`tag_values`: pages handed out since the last step and their new tags, as the allocator
+      gave them (never read off a request's table, which is what the check distrusts), for the pool's tags.
     - `logits_indices`: flat-batch rows whose logits are sampled, 1 + len(drafts) consecutive ones per
       sampled row, in `sampling` order.
     - `bitmask_rows`/`bitmask`: grammar masks, as indices into `logits_indices` (a constrained row with
@@ -92,7 +93,7 @@ class StepInput(msgspec.Struct, omit_defaults=True):
 
 class StepInputBuilder:
     """Builds each step's `StepInput`; collects what happened in between: requests that finished, and
-    pages handed out outside scheduled rows (KV arriving from a peer or a lower tier) whose tags the pool needs.
+    pages handed out (`KVCacheManager.take_allocated`) whose tags the pool needs.
 
     `check_page_tags` fills `StepInput.page_tags` (the integrity check's expected tags); off, they stay empty.
     """
@@ -109,7 +110,7 @@ class StepInputBuilder:
         self._finished.append(request_id)
 
     def pages_allocated(self, page_ids: Sequence[int], tags: Sequence[int]) -> None:
-        """Pages whose tags the pool gets with the next step (pages of scheduled rows are found by `build`)."""
+        """Pages whose tags the pool gets with the next step (a page handed out twice: the last tag wins)."""
         self._tag_page_ids.extend(page_ids)
         self._tag_values.extend(tags)
 
@@ -128,9 +129,12 @@ class StepInputBuilder:
         logits_indices: list[int] = []
         sampling: list[StepSamplingRow] = []
         row_pages: list[list[int]] = []
-        page_tags: list[int] = []
+        row_tags: list[list[int]] = []
         tag_page_ids, self._tag_page_ids = self._tag_page_ids, []
         tag_values, self._tag_values = self._tag_values, []
+        if len(set(tag_page_ids)) < len(tag_page_ids):  # one tensor write per page: keep each page's last tag
+            latest = dict(zip(tag_page_ids, tag_values, strict=True))
+            tag_page_ids, tag_values = list(latest), list(latest.values())
         constrained: list[tuple[int, GrammarMatcher, list[int]]] = []
         num_decode_rows = 0
         leading = True
@@ -167,13 +171,8 @@ class StepInputBuilder:
                 width = num_pages
             seq_lens.append(end)
             query_start_loc.append(len(token_ids))
-            generations = request.page_generations
             if check_tags:
-                page_tags.extend(generations[:num_pages])
-            # Pages past those holding computed tokens were handed out by this schedule(): new tags.
-            for index in range(-(-start // page_size), num_pages):
-                tag_page_ids.append(page_ids[index])
-                tag_values.append(generations[index])
+                row_tags.append(request.page_generations[:num_pages])
             if item.samples:
                 if request.grammar is not None:
                     constrained.append((len(logits_indices), request.grammar, drafts))
@@ -196,6 +195,11 @@ class StepInputBuilder:
             page_table.extend(pages)
             if len(pages) < width:
                 page_table.extend([0] * (width - len(pages)))
+        page_tags: list[int] = []
+        for tags in row_tags:
+            page_tags.extend(tags)
+            if len(tags) < width:
+                page_tags.extend([PADDING_TAG] * (width - len(tags)))
         step = StepInput(
             token_ids=token_ids,
             positions=positions,

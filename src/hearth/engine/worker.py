@@ -24,11 +24,13 @@ from hearth.distributed.pipeline import stage_layers
 from hearth.distributed.state import parallel_state
 from hearth.distributed.topology import rank_kv_heads
 from hearth.engine.config import EngineConfig
+from hearth.engine.kv_integrity import without_rows
 from hearth.engine.outputs import TokenLogprob
 from hearth.engine.sampler import Sampler, SamplingRow, make_generator
 from hearth.engine.spec.rejection import rejection_sample
 from hearth.engine.step_input import StepInput, StepSamplingRow
 from hearth.engine.structured_output import apply_bitmask
+from hearth.kv.integrity import PageTagMismatch, make_page_tag_check
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
 from hearth.model.config import ModelConfig
 from hearth.model.loader import load_model
@@ -45,6 +47,8 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprob]] | None = None
+    # Page table entries that failed the integrity check; their rows did not run (an empty token list).
+    kv_mismatches: list[PageTagMismatch] = []
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -115,6 +119,7 @@ class Worker:
         )
         layout = dataclasses.replace(layout, num_layers=len(stage))
         self.kv_pool = KVPool(layout, num_pages, self.device)
+        self.page_tag_check = make_page_tag_check(config.kv_integrity)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
         max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
         backend_cls = select_backend(self.device)
@@ -146,6 +151,15 @@ class Worker:
             self.kv_pool.set_page_tags(step.tag_page_ids, step.tag_values)
         if not step.token_ids:
             return StepOutput([])
+        # Before anything reads or writes the cache: a row whose pages are no longer its own must not run.
+        mismatches = self.page_tag_check.check(
+            self.kv_pool.page_tags, step.page_table, step.page_table_width, step.page_tags
+        )
+        if mismatches:
+            return self._run_without(step, mismatches)
+        return self._run(step)
+
+    def _run(self, step: StepInput) -> StepOutput:
         logits = self.forward(step)
         if logits is None or not step.sampling or not self.is_sampling_rank:
             return StepOutput([])  # another rank samples (see hearth.distributed.executor)
@@ -153,6 +167,21 @@ class Worker:
             words = torch.frombuffer(bytearray(step.bitmask), dtype=torch.int32)
             apply_bitmask(logits, step.bitmask_rows, words.view(len(step.bitmask_rows), -1))
         return self._sample(logits, step.sampling)
+
+    def _run_without(self, step: StepInput, mismatches: list[PageTagMismatch]) -> StepOutput:
+        """The step without the failing rows; their sampling rows get no tokens."""
+        kept, kept_sampling = without_rows(step, {mismatch.row for mismatch in mismatches})
+        output = self._run(kept) if kept.token_ids else StepOutput([])
+        if len(output.sampled_token_ids) != len(kept_sampling):  # a rank that does not sample
+            return StepOutput([], None, mismatches)
+        sampled: list[list[int]] = [[] for _ in step.sampling]
+        logprobs: list[list[TokenLogprob]] | None = [[] for _ in step.sampling] if output.logprobs else None
+        for index, tokens in zip(kept_sampling, output.sampled_token_ids, strict=True):
+            sampled[index] = tokens
+        if logprobs is not None and output.logprobs is not None:
+            for index, row_logprobs in zip(kept_sampling, output.logprobs, strict=True):
+                logprobs[index] = row_logprobs
+        return StepOutput(sampled, logprobs, mismatches)
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor | None:

@@ -8,6 +8,12 @@ Two hooks let a lower cache tier (host RAM, disk, a shared store) sit under the 
 `on_evict(key, page_id)` runs before a cached page is evicted and reused, so the tier can copy it
 out first; `lookup(keys)` says how many leading keys the tier can supply when the device cache
 misses, and the scheduler then allocates pages for them and waits for the KV (`WAITING_FOR_KV`).
+
+Pages are released by (page id, tag): a holder drops only pages that still carry a tag it recorded, so
+after a bookkeeping fault (a page freed early and reused, two table entries swapped: see
+`hearth.kv.faults`) releasing the victim never takes a reference another request owns. The prefix cache
+never names a page whose tag changed: a page coming off the free list loses any name it still has, and a
+named page with no readers that is not parked (it was freed under its name) is a miss.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hearth.kv.allocator import PageAllocator
+from hearth.kv.faults import KVFaultInjector
 from hearth.kv.prefix_cache import PrefixCache
 from hearth.kv.prefix_keys import extend_page_keys
 
@@ -56,6 +63,11 @@ class KVCacheManager:
     allocator: PageAllocator = field(init=False)
     prefix_cache: PrefixCache = field(init=False)
     stats: PrefixStats = field(default_factory=PrefixStats)
+    faults: KVFaultInjector | None = None  # HEARTH_KV_FAULTS, tests only
+    num_stale_pages: int = 0  # releases skipped because the page was no longer the holder's (a fault)
+    # Pages handed out since `take_allocated` and the tags they got: the worker's pool learns tags from here.
+    _allocated_page_ids: list[int] = field(default_factory=list)
+    _allocated_tags: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.allocator = PageAllocator(self.num_pages)
@@ -90,12 +102,19 @@ class KVCacheManager:
         num_keys = num_prompt_tokens // self.page_size
         keys = self._keys(holder, num_keys)
         pages = self.prefix_cache.match(keys if len(keys) == num_keys else keys[:num_keys])
+        ref_counts = self.allocator.ref_counts
+        for index, page_id in enumerate(pages):
+            if ref_counts[page_id] == 0 and not self.prefix_cache.is_parked(page_id):
+                # Named but on the free list: it was freed under its name (a fault); never read it.
+                self.prefix_cache.forget_page(page_id)
+                del pages[index:]
+                break
         if len(pages) * self.page_size >= num_prompt_tokens:
             pages = pages[:-1]
         self.stats.queried_tokens += num_prompt_tokens
         self.stats.hit_tokens += len(pages) * self.page_size
         for page_id in pages:
-            if self.allocator.ref_counts[page_id] == 0:
+            if ref_counts[page_id] == 0:
                 self.prefix_cache.unpark(page_id)
             self.allocator.incref(page_id)
             holder.page_ids.append(page_id)
@@ -137,9 +156,24 @@ class KVCacheManager:
                     self.on_evict(key, page_id)  # before the page is handed out and overwritten
                 self.allocator.release(page_id)
             page_id = self.allocator.allocate()
+            if self.prefix_cache.is_cached(
+                page_id
+            ):  # freed under its name (a fault): its KV is about to change
+                self.prefix_cache.forget_page(page_id)
+            tag = self.allocator.generations[page_id]
             holder.page_ids.append(page_id)
-            holder.page_generations.append(self.allocator.generations[page_id])
+            holder.page_generations.append(tag)
+            self._allocated_page_ids.append(page_id)
+            self._allocated_tags.append(tag)
+            if self.faults is not None:
+                self.faults.after_allocation(self)
         return True
+
+    def take_allocated(self) -> tuple[list[int], list[int]]:
+        """(page ids, tags) handed out since the last call, in order, for the pool's tag tensor."""
+        taken = self._allocated_page_ids, self._allocated_tags
+        self._allocated_page_ids, self._allocated_tags = [], []
+        return taken
 
     def cache_full_pages(self, holder: PageHolder) -> None:
         """Name every page that became full of computed tokens, so later requests can reuse it."""
@@ -171,22 +205,63 @@ class KVCacheManager:
         page_ids = holder.page_ids
         if len(page_ids) <= keep:
             return
-        for page_id in reversed(page_ids[keep:]):
-            self._drop(page_id)
+        generations = self.allocator.generations
+        tags = holder.page_generations
+        for index in range(len(page_ids) - 1, keep - 1, -1):
+            page_id = page_ids[index]
+            if generations[page_id] == tags[index]:
+                self._drop(page_id)
+            else:
+                self.num_stale_pages += 1
         del page_ids[keep:]
-        del holder.page_generations[keep:]
+        del tags[keep:]
 
     def free(self, holder: PageHolder) -> None:
         """Drop every page the holder has; cached pages stay resident until evicted."""
-        # Reverse order parks a request's tail before its head, so eviction takes tails first.
-        for page_id in reversed(holder.page_ids):
-            self._drop(page_id)
-        holder.page_ids.clear()
-        holder.page_generations.clear()
+        page_ids, tags = holder.page_ids, holder.page_generations
+        generations = self.allocator.generations
+        if all(generations[page_id] == tag for page_id, tag in zip(page_ids, tags, strict=True)):
+            # Reverse order parks a request's tail before its head, so eviction takes tails first.
+            for page_id in reversed(page_ids):
+                self._drop(page_id)
+        else:
+            self._free_mismatched(page_ids, tags)
+        page_ids.clear()
+        tags.clear()
         holder.num_computed_tokens = 0
         holder.cached_page_count = 0
 
+    def _free_mismatched(self, page_ids: list[int], tags: list[int]) -> None:
+        """A table that no longer matches its tags (entries swapped, pages reused): drop each page once if
+        it still carries one of the holder's tags (tags are unique, so then it is the holder's), else skip it."""
+        expected = set(tags)
+        generations = self.allocator.generations
+        for page_id in reversed(list(dict.fromkeys(page_ids))):
+            if generations[page_id] in expected:
+                self._drop(page_id)
+            else:
+                self.num_stale_pages += 1
+        self.num_stale_pages += len(page_ids) - len(set(page_ids))
+
+    def forget_cached_pages(self, holder: PageHolder, page_indices: list[int]) -> None:
+        """The prefix cache stops naming the holder's logical pages `page_indices` (they failed the
+        integrity check): whatever page their keys name now is never handed to another request."""
+        keys = holder.page_keys
+        cache = self.prefix_cache
+        for index in page_indices:
+            if index >= len(keys):
+                continue
+            named = cache.match([keys[index]])
+            if named:
+                parked = cache.is_parked(named[0])
+                cache.remove(keys[index])
+                if parked:
+                    self.allocator.release(named[0])  # nobody reads it: back to the free list
+
     def _drop(self, page_id: int) -> None:
+        if self.allocator.ref_counts[page_id] == 0:
+            self.num_stale_pages += 1  # freed early under its holders (a fault): already back in the pool
+            return
         if self.allocator.decref(page_id):
             if self.prefix_cache.is_cached(page_id):
                 self.prefix_cache.park(page_id)

@@ -17,7 +17,8 @@ class PrefixCache:
     `insert` names a just-filled page (first writer wins: a key already present keeps its page);
     `park` records that a cached page lost its last reader (it becomes evictable, most recent last);
     `unpark` takes it back when a request reuses it; `evict_lru` forgets the least recently used
-    parked page and returns its id for reuse with its key (`evict_one`: the id only).
+    parked page and returns its id for reuse with its key (`evict_one`: the id only); `remove` and
+    `forget_page` drop a name whose page is suspect (KV integrity), parked or not.
     """
 
     def __init__(self) -> None:
@@ -56,8 +57,25 @@ class PrefixCache:
         self._parked[page_id] = None
         self._parked.move_to_end(page_id)
 
+    def is_parked(self, page_id: int) -> bool:
+        return page_id in self._parked
+
     def unpark(self, page_id: int) -> None:
         self._parked.pop(page_id, None)
+
+    def remove(self, key: bytes) -> int | None:
+        """Forget a key (its page is suspect); returns the page it named, None if it named none."""
+        page_id = self._page_by_key.pop(key, None)
+        if page_id is not None:
+            del self._key_by_page[page_id]
+            self._parked.pop(page_id, None)
+        return page_id
+
+    def forget_page(self, page_id: int) -> None:
+        """Forget whatever key names `page_id`."""
+        key = self._key_by_page.get(page_id)
+        if key is not None:
+            self.remove(key)
 
     def evict_lru(self) -> tuple[int, bytes] | None:
         """Forget the least recently used parked page; returns it with the key it was cached under."""

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR
 from hearth.engine.outputs import RequestOutput, TokenLogprob
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.structured_output import StructuredOutput
@@ -270,6 +271,13 @@ class Generation:
 
 def engine_failure(output: RequestOutput) -> APIError | None:
     """An aborted or failed engine request, as the error the client should see."""
+    if output.finish_reason == "error" and output.error_code == KV_INTEGRITY_ERROR:
+        return APIError(
+            f"the KV cache of this request failed its integrity check; retry it: {output.error}",
+            500,
+            "internal_error",
+            code=KV_INTEGRITY_ERROR,
+        )
     if output.finish_reason == "error":
         # The engine's reason may carry internal state (a grammar's dump): logged, and only its first
         # line goes to the client.

@@ -96,6 +96,11 @@ class _EngineCollector(Collector):
             "cached_tokens", "Prompt tokens served from the prefix cache.", stats.cached_tokens_total
         )
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        yield counter(
+            "kv_integrity_failures",
+            "Request-steps whose KV page tables failed the integrity check (each recomputed or failed).",
+            stats.kv_integrity_failures_total,
+        )
         if getattr(stats, "spec_method", ""):
             yield from _speculative_metrics(stats, self._model_name)
 
