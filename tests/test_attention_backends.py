@@ -117,6 +117,34 @@ def test_backend_stores_new_kv_and_attends_like_the_reference(backend_cls, windo
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "backend_cls", [TorchRefBackend, CpuBackend, pytest.param(_triton_backend, marks=pytest.mark.triton)]
+)
+def test_slots_outside_the_context_never_reach_the_output(backend_cls):
+    """A fresh pool may hold NaN anywhere; only the slots of each row's context may be read."""
+    if backend_cls is _triton_backend:
+        backend_cls = _triton_backend()
+    cpu_kernels.paged_decode_attention_kernel(wait=True)
+    torch.manual_seed(0)
+    pool = KVPool(KVLayout(1, KV_HEADS, HEAD_DIM, PAGE_SIZE, torch.float32), 16)
+    pool.storage.fill_(float("nan"))
+    step = make_step(MIXED_ROWS, MIXED_PAGES)
+    k_pool, v_pool = pool.layer(0)
+    for row, (context_len, _) in enumerate(MIXED_ROWS):  # the context the step's rows read
+        pages = MIXED_PAGES[row]
+        for position in range(context_len):
+            slot = pages[position // PAGE_SIZE] * PAGE_SIZE + position % PAGE_SIZE
+            k_pool[slot], v_pool[slot] = torch.randn(KV_HEADS, HEAD_DIM), torch.randn(KV_HEADS, HEAD_DIM)
+    num_tokens = len(step.token_ids)
+    q = torch.randn(num_tokens, HEADS, HEAD_DIM)
+    backend = backend_cls(device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6)
+    out = backend.forward(0, q, None, None, pool, backend.prepare(step), HEAD_DIM**-0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(
+        out.double(), reference_attention(q, pool, step, HEAD_DIM**-0.5, None), rtol=1e-5, atol=1e-5
+    )
+
+
 def test_prepare_writes_the_page_table_into_one_fixed_buffer():
     backend = TorchRefBackend(device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6)
     first = backend.prepare(make_step(MIXED_ROWS, MIXED_PAGES))

@@ -133,8 +133,14 @@ class TorchRefBackend(AttentionBackend):
         """One query token per row: gather each row's pages, then one masked SDPA over the batch."""
         assert md.decode_mask is not None
         table = md.page_table[: md.num_decode_rows, : md.page_table_width]
-        keys = gather_pages(k_pool, table, md.page_size).to(q.dtype).transpose(1, 2)
-        values = gather_pages(v_pool, table, md.page_size).to(q.dtype).transpose(1, 2)
+        keys = gather_pages(k_pool, table, md.page_size).to(q.dtype)
+        values = gather_pages(v_pool, table, md.page_size).to(q.dtype)
+        # Slots past a row's context may hold anything (the pool is never cleared, and fresh memory can
+        # be NaN); a masked NaN still poisons SDPA's sums, so those slots are zeroed in the gathered copy.
+        outside = ~md.decode_mask[:, :, None, None]
+        keys.masked_fill_(outside, 0.0)
+        values.masked_fill_(outside, 0.0)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         attended = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             keys,
