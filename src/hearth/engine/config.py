@@ -12,6 +12,7 @@ from hearth.kv.dtypes import KV_CACHE_DTYPE_CHOICES, check_kv_cache_dtype
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+ROLE_CHOICES = ("mixed", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,12 @@ class EngineConfig:
     load_progress: bool = False
     device: str = "auto"
     kv_cache_dtype: str = "auto"
+    # Prefill/decode disaggregation (hearth.kv_transfer); the secret travels in $HEARTH_KV_TRANSFER_SECRET.
+    role: str = "mixed"
+    kv_transfer: str = "tcp"
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 0
+    kv_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -43,6 +50,10 @@ class EngineConfig:
             raise ValueError("page_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.role not in ROLE_CHOICES:
+            raise ValueError(f"role must be one of {', '.join(ROLE_CHOICES)}, got {self.role!r}")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError("kv_transfer_timeout_s must be > 0")
 
     @property
     def model_name(self) -> str:

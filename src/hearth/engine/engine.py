@@ -62,6 +62,9 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._arrivals = count()
         self._totals = {"prompt": 0, "cached": 0, "generated": 0, "preempted": 0}
+        # Last outputs of PD prefill requests whose KV is still being sent (see PeerKVConnector).
+        self._deferred: dict[str, CoreOutput] = {}
+        self.kv_transfer_endpoint: str | None = None  # decode role: set by the factory
 
     @property
     def vocab_size(self) -> int:
@@ -78,7 +81,12 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._deferred) or self.kv_loads.busy
+
+    @property
+    def has_runnable_work(self) -> bool:
+        """Requests a step would compute; without them the loop sleeps until KV news or a message."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -96,8 +104,9 @@ class Engine:
             arrival_index=next(self._arrivals),
             max_model_len=self.max_model_len,
             grammar=self._new_grammar(params),
+            kv_transfer=request.kv_transfer,
         )
-        self.scheduler.add(state)
+        self.scheduler.add(state, self.kv_loads.request_added(state))
 
     def _new_grammar(self, params: SamplingParams) -> GrammarMatcher | None:
         if params.structured_output is None:
@@ -120,15 +129,26 @@ class Engine:
 
     def step(self) -> list[CoreOutput]:
         self.kv_loads.poll()  # requests whose KV arrived from elsewhere become runnable
+        sent = self._sent_outputs() if self._deferred else []
         scheduled = self.scheduler.schedule()
         self._totals["preempted"] += len(scheduled.preempted)
         for load in scheduled.kv_loads:  # pages whose KV arrives from elsewhere get their tags too
             self.step_inputs.pages_allocated(load.page_ids, load.page_generations)
         self.kv_loads.start(scheduled.kv_loads)
         if not scheduled.scheduled:
-            return []
+            return sent
         step_output = self.worker.execute(self.step_inputs.build(scheduled.scheduled, self.structured))
-        return self._process_outputs(scheduled.scheduled, step_output)
+        return sent + self._process_outputs(scheduled.scheduled, step_output)
+
+    def _sent_outputs(self) -> list[CoreOutput]:
+        """The held-back last outputs of prefill requests whose KV send just ended."""
+        outputs = []
+        for request_id, ok in self.kv_loads.poll_sent():
+            output = self._deferred.pop(request_id, None)
+            if output is not None:
+                output.kv_transfer_status = "sent" if ok else "failed"
+                outputs.append(output)
+        return outputs
 
     def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[CoreOutput]:
         """Cut each row's tokens where the request ends, advance the scheduler, and report."""
@@ -210,9 +230,14 @@ class Engine:
         self._totals["prompt"] += request.num_prompt_tokens
         self._totals["cached"] += request.cached_tokens or 0
         self._totals["generated"] += len(request.output_token_ids)
+        if finish_reason in ("stop", "length") and self.kv_loads.is_sending(request.request_id):
+            # A PD prefill answer says whether its KV was sent: it goes out when the send ends.
+            self._deferred[request.request_id] = output
+            return CoreOutput(request.request_id, [], request.num_prompt_tokens, request.cached_tokens or 0)
         return output
 
     def stats(self) -> EngineStats:
+        transfer = self.kv_loads.counters()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -224,6 +249,10 @@ class Engine:
             cached_tokens_total=self._totals["cached"],
             generation_tokens_total=self._totals["generated"],
             num_preemptions_total=self._totals["preempted"],
+            kv_transfer_failures_total=transfer.get("transfer_failures", 0),
+            kv_recomputed_tokens_total=self.scheduler.num_kv_recomputed_tokens,
+            kv_transfer_pages_total=transfer.get("transfer_pages_received", 0)
+            + transfer.get("transfer_pages_sent", 0),
         )
 
 

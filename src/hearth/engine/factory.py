@@ -45,6 +45,13 @@ def build_engine(config: EngineConfig) -> Engine:
     worker = Worker(
         config, model_config, dtype, layout, num_pages, max_model_len, sample_vocab, eos_token_ids
     )
+    connectors = []
+    peer = None
+    if config.role != "mixed":
+        from hearth.kv_transfer.roles import peer_connector
+
+        peer = peer_connector(config, kv, worker.kv_pool)
+        connectors.append(peer)
     engine = Engine(
         config=config,
         model_config=model_config,
@@ -57,7 +64,11 @@ def build_engine(config: EngineConfig) -> Engine:
         kv_layout_tag=layout.describe(),
         max_model_len=max_model_len,
         num_kv_tokens=num_kv_tokens,
+        kv_connectors=connectors,
     )
+    if peer is not None and config.role == "decode":
+        engine.kv_transfer_endpoint = peer.transport.listen(config.kv_transfer_host, config.kv_transfer_port)
+        logger.info("decode role: KV transfer (%s) listening on %s", config.kv_transfer, engine.kv_transfer_endpoint)
     logger.info(
         "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
         worker.device,

@@ -120,6 +120,7 @@ class OutputProcessor:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             error=core.error,
+            kv_transfer_status=core.kv_transfer_status,
         )
 
     @staticmethod

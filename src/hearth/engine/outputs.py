@@ -35,6 +35,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    kv_transfer_status: str | None = None  # PD prefill side, last output: "sent" or "failed"
 
     @property
     def finished(self) -> bool:
