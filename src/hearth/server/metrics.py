@@ -96,6 +96,17 @@ class _EngineCollector(Collector):
             "cached_tokens", "Prompt tokens served from the prefix cache.", stats.cached_tokens_total
         )
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
+        yield counter(
+            "kv_transfer_failures",
+            "PD KV transfers that failed here (a decode server recomputes the prompt instead).",
+            stats.kv_transfer_failures_total,
+        )
+        yield counter(
+            "kv_recomputed_tokens",
+            "Prompt tokens whose KV was promised by a peer or a tier but was recomputed.",
+            stats.kv_recomputed_tokens_total,
+        )
+        yield counter("kv_transfer_pages", "KV pages sent or received by PD transfer.", stats.kv_transfer_pages_total)
 
 
 class ServerMetrics:

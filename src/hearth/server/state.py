@@ -25,6 +25,8 @@ class ServerConfig:
     tool_parser: str | None = "hermes"
     chat_template_path: str | None = None
     aliases: tuple[str, ...] = ()  # other names accepted as `model` (e.g. the checkpoint path)
+    role: str = "mixed"  # prefill/decode disaggregation role (docs/pd-protocol.md)
+    kv_transfer: str = "tcp"  # the KV transport between prefill and decode servers
 
 
 @dataclass
@@ -40,6 +42,7 @@ class ServerState:
     created_s: int = field(default_factory=lambda: int(time.time()))
     load_error: str | None = None
     _token_text_cache: dict[int, str] = field(default_factory=dict)
+    kv_peers: Any = None  # hearth.server.pd.KVPeers on a prefill server
 
     @property
     def ready(self) -> bool:
