@@ -178,6 +178,7 @@ def test_pd_through_the_router_answers_like_a_mixed_server(deployment: dict[str,
     # A stop string: learn what the model says, then stop on a piece of it in both deployments.
     body = {"prompt": "Where do the stop strings go " * 6, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     text = post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+    post(router.url, "/v1/completions", body)  # both deployments' prefix caches have now seen it once
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     for stream in (False, True):
         stopped = {**body, "stop": [stop], "stream": stream, "stream_options": {"include_usage": True} if stream else None}

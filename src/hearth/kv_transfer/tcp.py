@@ -81,6 +81,9 @@ class Want(msgspec.Struct, tag=True):
     first_page: int
     num_pages: int
     error: str | None = None
+    # Transports that move page bytes off this socket (mooncake): where the sender writes them.
+    remote: str | None = None
+    remote_addr: int = 0
 
 
 class Batch(msgspec.Struct, tag=True):
@@ -89,6 +92,7 @@ class Batch(msgspec.Struct, tag=True):
     num_pages: int
     dtype: str
     checksums: list[int]
+    offset: int = 0  # byte offset of this batch in the transfer's payload (off-socket transports)
 
 
 class Done(msgspec.Struct, tag=True):
@@ -244,8 +248,13 @@ class TCPTransport(KVTransport):
                     send_message(sock, Want(0, 0, why))
                     self._fail(transfer_id, why)
                     return
-                send_message(sock, Want(spec.first_page, len(spec.page_ids)))
-                self._receive_pages(sock, spec)
+                payload = self._open_payload(spec, auth.layout)
+                try:
+                    want = Want(spec.first_page, len(spec.page_ids))
+                    send_message(sock, self._want_extras(want, payload))
+                    self._receive_pages(sock, spec, payload)
+                finally:
+                    self._close_payload(payload)
         except (OSError, TransferError, msgspec.DecodeError, ValueError) as exc:
             if transfer_id is not None:
                 self._fail(transfer_id, f"transfer broken: {exc}")
@@ -267,7 +276,26 @@ class TCPTransport(KVTransport):
             self._claimed.add(transfer_id)
             return spec
 
-    def _receive_pages(self, sock: socket.socket, spec: ReceiveSpec) -> None:
+    # ---- how page bytes travel (here: on the socket, after each Batch header) ------------------------
+
+    def _open_payload(self, spec: ReceiveSpec, sender: WireLayout) -> object:
+        return None
+
+    def _want_extras(self, want: Want, payload: object) -> Want:
+        return want
+
+    def _recv_payload(self, sock: socket.socket, payload: object, batch: Batch, size: int) -> bytearray:
+        buffer = bytearray(size)
+        _recv_exact(sock, buffer)
+        return buffer
+
+    def _close_payload(self, payload: object) -> None:
+        pass
+
+    def _send_payload(self, sock: socket.socket, want: Want, raw: memoryview, offset: int) -> None:
+        """Off-socket transports move `raw` here; on TCP it follows its Batch header."""
+
+    def _receive_pages(self, sock: socket.socket, spec: ReceiveSpec, payload: object) -> None:
         layout = self.layout
         end_page = spec.first_page + len(spec.page_ids)
         next_page = spec.first_page
@@ -280,8 +308,7 @@ class TCPTransport(KVTransport):
             if batch.first_page != next_page or batch.num_pages < 1 or batch.first_page + batch.num_pages > end_page:
                 raise TransferError(f"batch of pages {batch.first_page}+{batch.num_pages} out of order")
             page_bytes = layout.page_bytes(dtype)
-            buffer = bytearray(page_bytes * batch.num_pages)
-            _recv_exact(sock, buffer)
+            buffer = self._recv_payload(sock, payload, batch, page_bytes * batch.num_pages)
             view = memoryview(buffer)
             for index, expected in enumerate(batch.checksums):
                 if xxhash.xxh3_64_intdigest(view[index * page_bytes : (index + 1) * page_bytes]) != expected:
@@ -370,6 +397,7 @@ class TCPTransport(KVTransport):
         if want.first_page < 0 or end > spec.source.num_pages:
             raise TransferError(f"pages {want.first_page}..{end} wanted, {spec.source.num_pages} held")
         per_batch = None
+        offset = 0
         first = want.first_page
         while first < end:
             if per_batch is None:
@@ -380,8 +408,11 @@ class TCPTransport(KVTransport):
             raw = memoryview(data.view(torch.uint8).numpy()).cast("B")
             page_bytes = len(raw) // count
             checksums = [xxhash.xxh3_64_intdigest(raw[i * page_bytes : (i + 1) * page_bytes]) for i in range(count)]
-            send_message(sock, Batch(spec.transfer_id, first, count, dtype_name(data.dtype), checksums))
-            sock.sendall(raw)
+            self._send_payload(sock, want, raw, offset)  # off-socket bytes land before their header
+            send_message(sock, Batch(spec.transfer_id, first, count, dtype_name(data.dtype), checksums, offset))
+            if want.remote is None:
+                sock.sendall(raw)
+            offset += len(raw)
             with self._cond:
                 self.counters.pages_sent += count
                 self.counters.bytes_sent += len(raw)
