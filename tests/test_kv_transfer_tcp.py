@@ -179,3 +179,28 @@ def test_prefill_death_mid_transfer_fails_the_load(pair) -> None:
         sock.sendall(b"\x00\x00")  # half a frame, then the process is gone
     (received,) = wait_events(receiver, 1)
     assert not received.ok and "broken" in received.detail
+
+
+def test_a_corrupted_page_fails_its_checksum_and_is_not_written(pair) -> None:
+    import socket
+
+    from hearth.kv_transfer.tcp import Auth, Batch, Challenge, Hello, Want, _mac, recv_message, send_message
+
+    sender_pool, receiver_pool, _, receiver, endpoint = pair
+    receiver.open_receive(ReceiveSpec("t9", 0, [2], 3, HASH))
+    layout = wire_layout(sender_pool.layout)
+    page = torch.ones(layout.page_shape())
+    raw = page.numpy().tobytes()
+    with socket.create_connection(("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))) as sock:
+        send_message(sock, Hello(1, "t9", b"n" * 32))
+        challenge = recv_message(sock)
+        assert isinstance(challenge, Challenge)
+        send_message(sock, Auth(_mac(SECRET, b"s", challenge.nonce, b"n" * 32), layout, 4, HASH))
+        assert isinstance(recv_message(sock), Want)
+        from hearth.kv.checksum import page_checksum
+
+        send_message(sock, Batch("t9", 0, 1, "float32", [page_checksum(raw) ^ 1]))
+        sock.sendall(raw)
+        (received,) = wait_events(receiver, 1)
+    assert not received.ok and "checksum" in received.detail
+    assert receiver_pool.read_pages([2]).abs().sum() == 0

@@ -35,8 +35,8 @@ from collections import OrderedDict
 
 import msgspec
 import torch
-import xxhash
 
+from hearth.kv.checksum import PageChecksumError, page_checksum, verify_page_checksum
 from hearth.kv_transfer.base import (
     WIRE_DTYPES,
     KVTransport,
@@ -310,9 +310,13 @@ class TCPTransport(KVTransport):
             page_bytes = layout.page_bytes(dtype)
             buffer = self._recv_payload(sock, payload, batch, page_bytes * batch.num_pages)
             view = memoryview(buffer)
+            if len(batch.checksums) != batch.num_pages:
+                raise TransferError("a batch must carry one checksum per page")
             for index, expected in enumerate(batch.checksums):
-                if xxhash.xxh3_64_intdigest(view[index * page_bytes : (index + 1) * page_bytes]) != expected:
-                    raise TransferError(f"page {batch.first_page + index} failed its checksum")
+                try:
+                    verify_page_checksum(view[index * page_bytes : (index + 1) * page_bytes], expected)
+                except PageChecksumError as exc:
+                    raise TransferError(f"page {batch.first_page + index}: {exc}") from exc
             data = torch.frombuffer(buffer, dtype=dtype).view(batch.num_pages, *layout.page_shape())
             offset = batch.first_page - spec.first_page
             with self._cond:
@@ -407,7 +411,7 @@ class TCPTransport(KVTransport):
             data = spec.source.read(first, count).contiguous()
             raw = memoryview(data.view(torch.uint8).numpy()).cast("B")
             page_bytes = len(raw) // count
-            checksums = [xxhash.xxh3_64_intdigest(raw[i * page_bytes : (i + 1) * page_bytes]) for i in range(count)]
+            checksums = [page_checksum(raw[i * page_bytes : (i + 1) * page_bytes]) for i in range(count)]
             self._send_payload(sock, want, raw, offset)  # off-socket bytes land before their header
             send_message(sock, Batch(spec.transfer_id, first, count, dtype_name(data.dtype), checksums, offset))
             if want.remote is None:
