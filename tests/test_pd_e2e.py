@@ -328,3 +328,32 @@ def test_a_wrong_secret_is_refused_and_the_decode_server_recomputes(deployment: 
     finally:
         impostor.stop()
     assert metric(decode.url, "hearth_kv_transfer_failures_total") == refused_before + 1
+
+
+def test_waiting_for_kv_does_not_spin_and_a_missing_transfer_is_recomputed(deployment: dict[str, Any]) -> None:
+    """A decode request whose prefill never comes: the engine core sleeps while it waits (no busy
+    loop), then the request computes its prompt itself when the 4 s transfer timeout passes."""
+    import psutil
+
+    decode, mixed = deployment["decode"], deployment["mixed"]
+    assert decode.process is not None
+    (core,) = psutil.Process(decode.process.pid).children()
+    body = {"prompt": "nobody sends this prompt's KV " * 8, "max_tokens": 4, "temperature": 0}
+    recomputed_before = metric(decode.url, "hearth_kv_recomputed_tokens_total")
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        result["answer"] = post(decode.url, "/v1/completions", {**body, "kv_transfer": {"role": "decode", "transfer_id": "never"}})
+
+    import threading
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(1.0)  # admitted and waiting by now
+    cpu_before = sum(core.cpu_times()[:2])
+    time.sleep(2.0)
+    cpu_used_s = sum(core.cpu_times()[:2]) - cpu_before
+    sender.join(60)
+    assert cpu_used_s < 0.5, f"the engine core used {cpu_used_s:.2f} s of CPU in 2 s while only waiting for KV"
+    assert result["answer"]["choices"][0]["text"] == post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+    assert metric(decode.url, "hearth_kv_recomputed_tokens_total") > recomputed_before
