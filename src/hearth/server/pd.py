@@ -9,6 +9,7 @@ per decode server); the engine core does the transfer itself.
 from __future__ import annotations
 
 import logging
+import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -21,6 +22,8 @@ logger = logging.getLogger("hearth.server")
 
 ENDPOINT_PATH = "/kv_transfer/endpoint"
 LOOKUP_TIMEOUT_S = 5.0
+# A decode server that restarts listens on a new port: answers are trusted this long, then asked again.
+ENDPOINT_TTL_S = 30.0
 
 
 class KVPeers:
@@ -28,13 +31,13 @@ class KVPeers:
 
     def __init__(self, transport: str) -> None:
         self.transport = transport
-        self._endpoints: dict[str, str] = {}
+        self._endpoints: dict[str, tuple[str, float]] = {}  # decode URL -> (endpoint, when asked)
         self._client: httpx.AsyncClient | None = None
 
     async def endpoint(self, decode_url: str) -> str | None:
         known = self._endpoints.get(decode_url)
-        if known is not None:
-            return known
+        if known is not None and time.monotonic() - known[1] < ENDPOINT_TTL_S:
+            return known[0]
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=LOOKUP_TIMEOUT_S)
         try:
@@ -53,7 +56,7 @@ class KVPeers:
             )
             return None
         endpoint = reachable(str(answer["endpoint"]), decode_url)
-        self._endpoints[decode_url] = endpoint
+        self._endpoints[decode_url] = (endpoint, time.monotonic())
         return endpoint
 
     async def close(self) -> None:
