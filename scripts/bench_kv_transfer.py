@@ -39,7 +39,9 @@ def sender_main(args: argparse.Namespace, endpoint: str, jobs: mp.Queue, done: m
     transport = make_transport("tcp", wire_layout(pool.layout), SECRET, 60.0, pool_sink(pool))
     pages = list(range(args.pages))
     while (transfer_id := jobs.get()) is not None:
-        transport.send(SendSpec(transfer_id, endpoint, PoolPageSource(pool, pages), args.pages * args.page_size, 0))
+        transport.send(
+            SendSpec(transfer_id, endpoint, PoolPageSource(pool, pages), args.pages * args.page_size, 0)
+        )
         while not (events := transport.events()):
             time.sleep(0.0005)
         done.put(events[0].ok)

@@ -18,7 +18,9 @@ def test_advice_from_an_agentic_trace(tmp_path: Path, capsys) -> None:
         {"timestamp": 10, "session_id": "b", "input_tokens": 1500, "output_tokens": 100},
     ]
     trace.write_text("\n".join(json.dumps(row) for row in rows))
-    code = main(["bench", "advise", "--trace", str(trace), "--prefill-rate", "200", "--decode-rate", "20", "--json"])
+    code = main(
+        ["bench", "advise", "--trace", str(trace), "--prefill-rate", "200", "--decode-rate", "20", "--json"]
+    )
     assert code == 0
     out = capsys.readouterr().out
     numbers = json.loads(out.strip().splitlines()[-1])

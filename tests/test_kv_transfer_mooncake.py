@@ -8,8 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -32,15 +30,19 @@ def test_mooncake_transfers_in_a_private_network_namespace() -> None:
     if not _unshare_works():
         pytest.skip("unshare -rn (a private network namespace) is not permitted here")
     here = Path(__file__)
-    command = (
-        "ip link set lo up && "
-        f"{sys.executable} -m pytest -q -p no:cacheprovider {here} -k inner"
-    )
+    command = f"ip link set lo up && {sys.executable} -m pytest -q -p no:cacheprovider {here} -k inner"
     env = {**os.environ, "HEARTH_TEST_IN_NETNS": "1"}
     result = subprocess.run(
-        ["unshare", "-rn", "sh", "-c", command], capture_output=True, text=True, timeout=600, env=env, cwd=here.parent.parent
+        ["unshare", "-rn", "sh", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=here.parent.parent,
     )
-    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.returncode == 0 and " passed" in result.stdout, (
+        result.stdout[-4000:] + result.stderr[-4000:]
+    )
 
 
 @pytest.fixture
@@ -52,7 +54,9 @@ def pair():
 
     sender_pool, receiver_pool = make_pool(), make_pool(torch.bfloat16)
     sender = make_transport("mooncake", wire_layout(sender_pool.layout), b"k", 10.0, pool_sink(sender_pool))
-    receiver = make_transport("mooncake", wire_layout(receiver_pool.layout), b"k", 10.0, pool_sink(receiver_pool))
+    receiver = make_transport(
+        "mooncake", wire_layout(receiver_pool.layout), b"k", 10.0, pool_sink(receiver_pool)
+    )
     endpoint = receiver.listen("127.0.0.1", 0)
     yield sender_pool, receiver_pool, sender, receiver, endpoint
     sender.close()

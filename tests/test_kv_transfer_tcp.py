@@ -18,7 +18,9 @@ HASH = 1234
 
 
 def make_pool(dtype: torch.dtype = torch.float32, num_pages: int = 16, heads: int = 2) -> KVPool:
-    pool = KVPool(KVLayout(num_layers=3, num_kv_heads=heads, head_dim=8, page_size=4, kv_dtype=dtype), num_pages)
+    pool = KVPool(
+        KVLayout(num_layers=3, num_kv_heads=heads, head_dim=8, page_size=4, kv_dtype=dtype), num_pages
+    )
     pool.storage.zero_()
     return pool
 
@@ -71,7 +73,9 @@ def test_many_batches_stream_on_one_connection(pair) -> None:
     receiver.open_receive(ReceiveSpec("t2", 0, list(range(8)), 30, HASH))
     sender.send(SendSpec("t2", endpoint, PoolPageSource(sender_pool, list(range(8, 16))), 32, HASH))
     assert wait_events(receiver, 1)[0].ok
-    assert torch.equal(receiver_pool.read_pages(list(range(8))), sender_pool.read_pages(list(range(8, 16))).bfloat16())
+    assert torch.equal(
+        receiver_pool.read_pages(list(range(8))), sender_pool.read_pages(list(range(8, 16))).bfloat16()
+    )
 
 
 def test_wrong_secret_is_refused_at_once() -> None:
@@ -174,7 +178,10 @@ def test_prefill_death_mid_transfer_fails_the_load(pair) -> None:
         send_message(sock, Hello(1, "t8", b"n" * 32))
         challenge = recv_message(sock)
         assert isinstance(challenge, Challenge)
-        send_message(sock, Auth(_mac(SECRET, b"s", challenge.nonce, b"n" * 32), wire_layout(sender_pool.layout), 8, HASH))
+        send_message(
+            sock,
+            Auth(_mac(SECRET, b"s", challenge.nonce, b"n" * 32), wire_layout(sender_pool.layout), 8, HASH),
+        )
         assert isinstance(recv_message(sock), Want)
         sock.sendall(b"\x00\x00")  # half a frame, then the process is gone
     (received,) = wait_events(receiver, 1)

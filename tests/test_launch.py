@@ -20,7 +20,10 @@ from hearth.server.process import free_port
 
 def test_bad_counts_exit_with_a_message() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "hearth.cli", "launch", "--prefill", "1"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "hearth.cli", "launch", "--prefill", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2 and "--decode" in result.stderr
 
@@ -29,8 +32,24 @@ def test_bad_counts_exit_with_a_message() -> None:
 def test_launch_starts_answers_and_stops_every_child(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "tiny")
     port = free_port()
-    command = [sys.executable, "-m", "hearth.cli", "launch", "--model", str(model), "--prefill", "1", "--decode", "1"]
-    command += ["--port", str(port), "--server-args", "--max-model-len 512 --kv-cache-memory 0.02 --page-size 8"]
+    command = [
+        sys.executable,
+        "-m",
+        "hearth.cli",
+        "launch",
+        "--model",
+        str(model),
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+    ]
+    command += [
+        "--port",
+        str(port),
+        "--server-args",
+        "--max-model-len 512 --kv-cache-memory 0.02 --page-size 8",
+    ]
     command += ["--decode-args", "--kv-transfer-timeout 10", "--ready-timeout", "900"]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()

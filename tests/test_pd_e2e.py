@@ -88,7 +88,14 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         for server in servers:
             server.wait_ready(timeout_s=900)  # the shared test machine can be slow to import torch
         router = Router([prefill.url], [decode.url], root / "router.log")
-        yield {"model": model, "root": root, "mixed": mixed, "prefill": prefill, "decode": decode, "router": router}
+        yield {
+            "model": model,
+            "root": root,
+            "mixed": mixed,
+            "prefill": prefill,
+            "decode": decode,
+            "router": router,
+        }
     finally:
         if router is not None:
             router.stop()
@@ -154,14 +161,21 @@ CASES: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("/v1/completions", {"prompt": "Once upon a time there was a lighthouse keeper who " * 8}),
-    ("/v1/completions", {"prompt": "The tide rolls in " * 15, "stream": True, "stream_options": {"include_usage": True}}),
+    (
+        "/v1/completions",
+        {"prompt": "The tide rolls in " * 15, "stream": True, "stream_options": {"include_usage": True}},
+    ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "Weather in Paris and Rome?"}], "tools": [WEATHER_TOOL]},
     ),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "Give me logprobs " * 10}], "logprobs": True, "top_logprobs": 3},
+        {
+            "messages": [{"role": "user", "content": "Give me logprobs " * 10}],
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
     ),
     ("/v1/completions", {"prompt": "log probs please " * 20, "logprobs": 2, "max_tokens": 12}),
 ]
@@ -176,12 +190,22 @@ def test_pd_through_the_router_answers_like_a_mixed_server(deployment: dict[str,
         got = post(router.url, path, body)
         assert strip_ids(comparable(got)) == strip_ids(comparable(want)), (path, extra)
     # A stop string: learn what the model says, then stop on a piece of it in both deployments.
-    body = {"prompt": "Where do the stop strings go " * 6, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    body = {
+        "prompt": "Where do the stop strings go " * 6,
+        "max_tokens": 20,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     text = post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
     post(router.url, "/v1/completions", body)  # both deployments' prefix caches have now seen it once
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     for stream in (False, True):
-        stopped = {**body, "stop": [stop], "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+        stopped = {
+            **body,
+            "stop": [stop],
+            "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None,
+        }
         if not stream:
             del stopped["stream_options"]
         assert strip_ids(comparable(post(router.url, "/v1/completions", stopped))) == strip_ids(
@@ -203,14 +227,19 @@ def test_prefill_answer_reports_the_transfer_and_its_cached_tokens(deployment: d
     for attempt in range(2):
         transfer_id = f"manual-{attempt}-{random.getrandbits(64):x}"
         before = metric(decode.url, "hearth_kv_transfer_pages_total")
-        decode_body = {**body, "kv_transfer": {"role": "decode", "transfer_id": transfer_id, "prefill_url": prefill.url}}
+        decode_body = {
+            **body,
+            "kv_transfer": {"role": "decode", "transfer_id": transfer_id, "prefill_url": prefill.url},
+        }
         prefill_body = {
             **body,
             "max_tokens": 1,
             "kv_transfer": {"role": "prefill", "transfer_id": transfer_id, "decode_url": decode.url},
         }
 
-        async def both(decode_body=decode_body, prefill_body=prefill_body) -> tuple[httpx.Response, httpx.Response]:
+        async def both(
+            decode_body=decode_body, prefill_body=prefill_body
+        ) -> tuple[httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(timeout=60) as client:
                 return await asyncio.gather(
                     client.post(prefill.url + "/v1/completions", json=prefill_body),
@@ -232,8 +261,15 @@ def test_200_concurrent_pd_requests_with_client_aborts_leave_no_pages(deployment
     rng = random.Random(7)
 
     async def one(client: httpx.AsyncClient, index: int) -> str:
-        words = " ".join(rng.choice(["sea", "ship", "wind", "salt", "gull", "rope"]) for _ in range(rng.randint(20, 160)))
-        body = {"prompt": f"{index}: {words}", "max_tokens": rng.randint(2, 24), "temperature": 0, "stream": True}
+        words = " ".join(
+            rng.choice(["sea", "ship", "wind", "salt", "gull", "rope"]) for _ in range(rng.randint(20, 160))
+        )
+        body = {
+            "prompt": f"{index}: {words}",
+            "max_tokens": rng.randint(2, 24),
+            "temperature": 0,
+            "stream": True,
+        }
         abort_after_s = rng.uniform(0, 1.5) if rng.random() < 0.4 else None
 
         async def consume() -> str:
@@ -280,7 +316,10 @@ def test_prefill_killed_mid_transfer_every_request_still_completes(deployment: d
 
             async def run() -> list[httpx.Response]:
                 async with httpx.AsyncClient(timeout=120) as client:
-                    tasks = [asyncio.create_task(client.post(router.url + "/v1/completions", json=b)) for b in bodies]
+                    tasks = [
+                        asyncio.create_task(client.post(router.url + "/v1/completions", json=b))
+                        for b in bodies
+                    ]
                     await asyncio.sleep(0.4)
                     assert doomed.process is not None
                     doomed.process.send_signal(signal.SIGKILL)
@@ -296,11 +335,16 @@ def test_prefill_killed_mid_transfer_every_request_still_completes(deployment: d
             wait_for_zero_pages([decode.url])
             # The router has noticed: PD without a prefill server means the decode server alone.
             deadline = time.monotonic() + 10
-            while httpx.get(router.url + "/health").json()["healthy_workers"] == 2 and time.monotonic() < deadline:
+            while (
+                httpx.get(router.url + "/health").json()["healthy_workers"] == 2
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.1)
             body = {"prompt": "after the prefill server died " * 5, "max_tokens": 6, "temperature": 0}
             alone = post(router.url, "/v1/completions", body)
-            assert alone["choices"][0]["text"] == post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+            assert (
+                alone["choices"][0]["text"] == post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+            )
         finally:
             router.stop()
     finally:
@@ -330,7 +374,9 @@ def test_a_wrong_secret_is_refused_and_the_decode_server_recomputes(deployment: 
     assert metric(decode.url, "hearth_kv_transfer_failures_total") == refused_before + 1
 
 
-def test_waiting_for_kv_does_not_spin_and_a_missing_transfer_is_recomputed(deployment: dict[str, Any]) -> None:
+def test_waiting_for_kv_does_not_spin_and_a_missing_transfer_is_recomputed(
+    deployment: dict[str, Any],
+) -> None:
     """A decode request whose prefill never comes: the engine core sleeps while it waits (no busy
     loop), then the request computes its prompt itself when the 4 s transfer timeout passes."""
     import psutil
@@ -343,7 +389,9 @@ def test_waiting_for_kv_does_not_spin_and_a_missing_transfer_is_recomputed(deplo
     result: dict[str, Any] = {}
 
     def send() -> None:
-        result["answer"] = post(decode.url, "/v1/completions", {**body, "kv_transfer": {"role": "decode", "transfer_id": "never"}})
+        result["answer"] = post(
+            decode.url, "/v1/completions", {**body, "kv_transfer": {"role": "decode", "transfer_id": "never"}}
+        )
 
     import threading
 
@@ -354,6 +402,11 @@ def test_waiting_for_kv_does_not_spin_and_a_missing_transfer_is_recomputed(deplo
     time.sleep(2.0)
     cpu_used_s = sum(core.cpu_times()[:2]) - cpu_before
     sender.join(60)
-    assert cpu_used_s < 0.5, f"the engine core used {cpu_used_s:.2f} s of CPU in 2 s while only waiting for KV"
-    assert result["answer"]["choices"][0]["text"] == post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+    assert cpu_used_s < 0.5, (
+        f"the engine core used {cpu_used_s:.2f} s of CPU in 2 s while only waiting for KV"
+    )
+    assert (
+        result["answer"]["choices"][0]["text"]
+        == post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+    )
     assert metric(decode.url, "hearth_kv_recomputed_tokens_total") > recomputed_before

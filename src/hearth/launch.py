@@ -43,8 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the router's port")
     for role in ("prefill", "decode", "mixed", "server", "router"):
         what = "every server" if role == "server" else f"the {role} {'' if role == 'router' else 'servers'}"
-        parser.add_argument(f"--{role}-args", default="", metavar="ARGS", help=f"extra options for {what} (one string)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds servers get to become healthy")
+        parser.add_argument(
+            f"--{role}-args", default="", metavar="ARGS", help=f"extra options for {what} (one string)"
+        )
+    parser.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="seconds servers get to become healthy"
+    )
     parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds children get to stop")
 
 
@@ -130,7 +134,10 @@ def run(args: argparse.Namespace) -> int:
         print("hearth launch: server counts must be >= 0", file=sys.stderr)
         return 2
     if (args.prefill > 0) != (args.decode > 0):
-        print("hearth launch: prefill/decode disaggregation needs --prefill N and --decode M (both > 0)", file=sys.stderr)
+        print(
+            "hearth launch: prefill/decode disaggregation needs --prefill N and --decode M (both > 0)",
+            file=sys.stderr,
+        )
         return 2
     if args.prefill + args.decode + args.mixed == 0:
         print("hearth launch: nothing to launch; give --mixed N or --prefill N --decode M", file=sys.stderr)
@@ -142,7 +149,9 @@ def run(args: argparse.Namespace) -> int:
     errors: list[str] = []  # why the deployment stopped on its own (empty: stopped by a signal)
 
     def on_signal(signum: int, frame: object) -> None:
-        print(f"hearth launch: {signal.Signals(signum).name}; stopping every child", file=sys.stderr, flush=True)
+        print(
+            f"hearth launch: {signal.Signals(signum).name}; stopping every child", file=sys.stderr, flush=True
+        )
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -204,7 +213,9 @@ def _stop_all(children: list[Child], timeout_s: float) -> None:
         try:
             child.process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"hearth launch: {child.name} did not stop in {timeout_s:.0f} s; killing it", file=sys.stderr)
+            print(
+                f"hearth launch: {child.name} did not stop in {timeout_s:.0f} s; killing it", file=sys.stderr
+            )
             child.process.kill()
             child.process.wait()
     for child in children:

@@ -31,10 +31,18 @@ CHARS_PER_TOKEN = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="JSONL trace (the replay format of `hearth bench serve`)")
-    parser.add_argument("--prefill-rate", type=float, required=True, help="prompt tokens/s one prefill server computes")
-    parser.add_argument("--decode-rate", type=float, required=True, help="output tokens/s one decode server sustains")
-    parser.add_argument("--cache-hit-ratio", type=float, default=None, help="override the estimated prefix reuse (0..1)")
+    parser.add_argument(
+        "--trace", required=True, help="JSONL trace (the replay format of `hearth bench serve`)"
+    )
+    parser.add_argument(
+        "--prefill-rate", type=float, required=True, help="prompt tokens/s one prefill server computes"
+    )
+    parser.add_argument(
+        "--decode-rate", type=float, required=True, help="output tokens/s one decode server sustains"
+    )
+    parser.add_argument(
+        "--cache-hit-ratio", type=float, default=None, help="override the estimated prefix reuse (0..1)"
+    )
     parser.add_argument("--target-utilization", type=float, default=0.7, help="plan servers to run this busy")
     parser.add_argument("--itl-ms", type=float, default=50.0, help="target time per output token")
     parser.add_argument("--ttft-ms", type=float, default=1000.0, help="target time to first token")
@@ -115,7 +123,10 @@ def advise(mix: TrafficMix, args: argparse.Namespace) -> tuple[dict[str, Any], l
         f"--decode-args '--max-num-seqs {decode_seqs}'",
     ]
     if mix.estimated_from_text:
-        lines.insert(1, f"({mix.estimated_from_text} prompts without input_tokens: estimated at {CHARS_PER_TOKEN} chars/token)")
+        lines.insert(
+            1,
+            f"({mix.estimated_from_text} prompts without input_tokens: estimated at {CHARS_PER_TOKEN} chars/token)",
+        )
     numbers = {
         "requests_per_s": rate,
         "hit_ratio": hit,

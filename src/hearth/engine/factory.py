@@ -68,7 +68,9 @@ def build_engine(config: EngineConfig) -> Engine:
     )
     if peer is not None and config.role == "decode":
         engine.kv_transfer_endpoint = peer.transport.listen(config.kv_transfer_host, config.kv_transfer_port)
-        logger.info("decode role: KV transfer (%s) listening on %s", config.kv_transfer, engine.kv_transfer_endpoint)
+        logger.info(
+            "decode role: KV transfer (%s) listening on %s", config.kv_transfer, engine.kv_transfer_endpoint
+        )
     logger.info(
         "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
         worker.device,

@@ -11,7 +11,9 @@ from hearth.kv_transfer.base import TRANSPORTS, KVTransport, PageSink, WireLayou
 TRANSPORT_CHOICES = ("tcp", "mooncake")
 
 
-def make_transport(name: str, layout: WireLayout, secret: bytes, timeout_s: float, sink: PageSink) -> KVTransport:
+def make_transport(
+    name: str, layout: WireLayout, secret: bytes, timeout_s: float, sink: PageSink
+) -> KVTransport:
     if name == "tcp":
         import hearth.kv_transfer.tcp  # noqa: F401 - registers itself
     elif name == "mooncake":

@@ -54,9 +54,7 @@ class WireLayout(msgspec.Struct, frozen=True):
         )
 
     def describe(self) -> str:
-        return (
-            f"{self.kind}/{self.dtype}/p{self.page_size}/h{self.num_kv_heads}x{self.head_dim}/l{self.num_layers}"
-        )
+        return f"{self.kind}/{self.dtype}/p{self.page_size}/h{self.num_kv_heads}x{self.head_dim}/l{self.num_layers}"
 
     def page_shape(self) -> tuple[int, int, int, int, int]:
         """One page on the wire: every layer's K and V, `[num_layers, 2, page_size, heads, head_dim]`."""

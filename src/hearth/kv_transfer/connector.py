@@ -27,7 +27,15 @@ from hearth.engine.kv_connector import KVConnector, KVLoadPart, KVLoadResult
 from hearth.engine.request import Request, RequestStatus
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.pool import KVLayout, KVPool
-from hearth.kv_transfer.base import KVTransport, PageSink, ReceiveSpec, SendSpec, WireLayout, dtype_name, prompt_hash
+from hearth.kv_transfer.base import (
+    KVTransport,
+    PageSink,
+    ReceiveSpec,
+    SendSpec,
+    WireLayout,
+    dtype_name,
+    prompt_hash,
+)
 
 logger = logging.getLogger("hearth.kv_transfer")
 
@@ -103,7 +111,9 @@ class PeerKVConnector(KVConnector):
         self.page_size = kv.page_size
         self.timeout_s = timeout_s
         self._expected: dict[str, Request] = {}  # decode requests promised KV, no load started yet
-        self._loads: dict[str, tuple[str, KVLoadPart, float]] = {}  # request id -> (transfer id, part, deadline)
+        self._loads: dict[
+            str, tuple[str, KVLoadPart, float]
+        ] = {}  # request id -> (transfer id, part, deadline)
         self._load_by_transfer: dict[str, str] = {}
         self._sending: dict[str, tuple[str, list[int]]] = {}  # transfer id -> (request id, held pages)
         self._sending_requests: set[str] = set()
@@ -175,7 +185,7 @@ class PeerKVConnector(KVConnector):
                     self.num_send_failures += 1
         if self._loads:
             now = time.monotonic()
-            for request_id, (transfer_id, part, deadline) in list(self._loads.items()):
+            for request_id, (transfer_id, _part, deadline) in list(self._loads.items()):
                 if now >= deadline:
                     self._end_load(request_id)
                     self.num_receive_failures += 1

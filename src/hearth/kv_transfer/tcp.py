@@ -305,7 +305,11 @@ class TCPTransport(KVTransport):
             dtype = WIRE_DTYPES.get(batch.dtype)
             if dtype is None:
                 raise TransferError(f"pages in dtype {batch.dtype!r} cannot be received here")
-            if batch.first_page != next_page or batch.num_pages < 1 or batch.first_page + batch.num_pages > end_page:
+            if (
+                batch.first_page != next_page
+                or batch.num_pages < 1
+                or batch.first_page + batch.num_pages > end_page
+            ):
                 raise TransferError(f"batch of pages {batch.first_page}+{batch.num_pages} out of order")
             page_bytes = layout.page_bytes(dtype)
             buffer = self._recv_payload(sock, payload, batch, page_bytes * batch.num_pages)
@@ -413,7 +417,9 @@ class TCPTransport(KVTransport):
             page_bytes = len(raw) // count
             checksums = [page_checksum(raw[i * page_bytes : (i + 1) * page_bytes]) for i in range(count)]
             self._send_payload(sock, want, raw, offset)  # off-socket bytes land before their header
-            send_message(sock, Batch(spec.transfer_id, first, count, dtype_name(data.dtype), checksums, offset))
+            send_message(
+                sock, Batch(spec.transfer_id, first, count, dtype_name(data.dtype), checksums, offset)
+            )
             if want.remote is None:
                 sock.sendall(raw)
             offset += len(raw)

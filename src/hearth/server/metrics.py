@@ -106,7 +106,9 @@ class _EngineCollector(Collector):
             "Prompt tokens whose KV was promised by a peer or a tier but was recomputed.",
             stats.kv_recomputed_tokens_total,
         )
-        yield counter("kv_transfer_pages", "KV pages sent or received by PD transfer.", stats.kv_transfer_pages_total)
+        yield counter(
+            "kv_transfer_pages", "KV pages sent or received by PD transfer.", stats.kv_transfer_pages_total
+        )
 
 
 class ServerMetrics:

@@ -73,7 +73,9 @@ def reachable(endpoint: str, decode_url: str) -> str:
     return f"{scheme}://{host}:{port}"
 
 
-async def engine_kv_transfer(state: ServerState, request: SamplingRequest, num_choices: int) -> KVTransferParams | None:
+async def engine_kv_transfer(
+    state: ServerState, request: SamplingRequest, num_choices: int
+) -> KVTransferParams | None:
     """This server's part in the request's PD transfer, or None (then it computes everything itself)."""
     spec = request.kv_transfer
     if spec is None:
