@@ -71,8 +71,10 @@ class EngineCoreLoop:
         self._last_sent_s = 0.0
         self._kv_poller = zmq.Poller()
         self._kv_poller.register(inbox, zmq.POLLIN)
-        for fd in engine.kv_loads.wakeup_fds:
+        kv_loads = getattr(engine, "kv_loads", None)  # engines without KV connectors (test fakes) have none
+        for fd in kv_loads.wakeup_fds if kv_loads is not None else []:
             self._kv_poller.register(fd, zmq.POLLIN)
+        self._waits_for_kv = hasattr(engine, "has_runnable_work")
 
     def run(self) -> None:
         engine = self.engine
@@ -80,7 +82,7 @@ class EngineCoreLoop:
         while self._shutdown is None:
             if not engine.has_work:
                 inbox.poll()  # idle: sleep until a message comes
-            elif not engine.has_runnable_work:
+            elif self._waits_for_kv and not engine.has_runnable_work:
                 self._kv_poller.poll(KV_WAIT_POLL_MS)  # only KV in flight: no busy spin
             if inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._drain()
