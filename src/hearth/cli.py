@@ -14,8 +14,13 @@ import sys
 SUBCOMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("hearth.server.cli", "run an OpenAI-compatible inference server"),
     ("route",): ("hearth.router.cli", "run the router in front of pools of servers"),
+    ("launch",): ("hearth.launch", "run a local deployment: router + prefill/decode/mixed servers"),
     ("bench", "offline"): ("hearth.bench.offline", "offline engine throughput on random prompts"),
     ("bench", "serve"): ("hearth.bench.serve_cli", "load-test an OpenAI-compatible endpoint"),
+    ("bench", "advise"): (
+        "hearth.bench.advise",
+        "recommend a prefill:decode ratio and batch limits from a trace",
+    ),
     ("bench", "compare"): ("hearth.bench.compare", "print ratios between two bench result files"),
 }
 

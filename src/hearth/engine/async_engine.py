@@ -38,6 +38,7 @@ from hearth.engine.messages import (
     EngineRequest,
     EngineStats,
     FromCore,
+    KVTransferParams,
     ShutdownCore,
 )
 from hearth.engine.output_processor import OutputProcessor
@@ -123,6 +124,7 @@ class AsyncEngine:
         self.max_model_len = ready.max_model_len
         self.num_kv_tokens = ready.num_kv_tokens
         self.vocab_size = ready.vocab_size
+        self.kv_transfer_endpoint = ready.kv_transfer_endpoint  # decode role: where prefill servers send KV
         self._stats: EngineStats = ready.stats
         self._processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -149,6 +151,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields one output per engine step with new tokens; the last has `finish_reason`.
 
@@ -164,7 +167,7 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
         self._processor.add_request(request_id, prompt_token_ids, params)
-        self._send(EngineRequest(request_id, prompt_token_ids, params, cache_salt))
+        self._send(EngineRequest(request_id, prompt_token_ids, params, cache_salt, kv_transfer))
         finished = False
         try:
             while True:

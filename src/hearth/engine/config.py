@@ -21,6 +21,9 @@ def _on_off(value: str) -> bool:
     return value == "on"
 
 
+ROLE_CHOICES = ("mixed", "prefill", "decode")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -53,6 +56,12 @@ class EngineConfig:
     speculative_max_batch_size: int = 32
     kv_integrity: bool = True  # check every step's page tables against the pages' tags (hearth.kv.integrity)
     kv_integrity_action: str = "recompute"  # on a mismatch: "recompute" once, then fail; or "abort" at once
+    # Prefill/decode disaggregation (hearth.kv_transfer); the secret travels in $HEARTH_KV_TRANSFER_SECRET.
+    role: str = "mixed"
+    kv_transfer: str = "tcp"
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 0
+    kv_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -90,6 +99,10 @@ class EngineConfig:
             check_speculative_options(
                 self.speculative_method, self.speculative_model, self.num_speculative_tokens
             )
+        if self.role not in ROLE_CHOICES:
+            raise ValueError(f"role must be one of {', '.join(ROLE_CHOICES)}, got {self.role!r}")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError("kv_transfer_timeout_s must be > 0")
 
     @property
     def model_name(self) -> str:

@@ -51,6 +51,9 @@ STATS_INTERVAL_S = 0.5
 PARENT_POLL_INTERVAL_S = 0.5
 # How long the last messages (the outputs of a shutdown, a load failure) may take to reach the API process.
 FINAL_SEND_LINGER_MS = 5000
+# With only requests waiting for KV from elsewhere (or PD sends in flight), the loop sleeps on the input
+# socket and the connectors' wakeup fds; this bounds the sleep so timeouts are noticed.
+KV_WAIT_POLL_MS = 20
 
 
 class EngineCoreLoop:
@@ -66,6 +69,12 @@ class EngineCoreLoop:
         self._answers: list[CoreOutput] = []  # rejected adds and aborted requests, sent with the next message
         self._shutdown: ShutdownCore | None = None
         self._last_sent_s = 0.0
+        self._kv_poller = zmq.Poller()
+        self._kv_poller.register(inbox, zmq.POLLIN)
+        kv_loads = getattr(engine, "kv_loads", None)  # engines without KV connectors (test fakes) have none
+        for fd in kv_loads.wakeup_fds if kv_loads is not None else []:
+            self._kv_poller.register(fd, zmq.POLLIN)
+        self._waits_for_kv = hasattr(engine, "has_runnable_work")
 
     def run(self) -> None:
         engine = self.engine
@@ -73,6 +82,8 @@ class EngineCoreLoop:
         while self._shutdown is None:
             if not engine.has_work:
                 inbox.poll()  # idle: sleep until a message comes
+            elif self._waits_for_kv and not engine.has_runnable_work:
+                self._kv_poller.poll(KV_WAIT_POLL_MS)  # only KV in flight: no busy spin
             if inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._drain()
                 if self._shutdown is not None:
@@ -207,10 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                 num_kv_tokens=engine.num_kv_tokens,
                 vocab_size=engine.vocab_size,
                 stats=engine.stats(),
+                kv_transfer_endpoint=engine.kv_transfer_endpoint,
             )
         )
     )
     EngineCoreLoop(engine, inbox, outbox).run()
+    engine.kv_loads.close()
     inbox.close(linger=0)
     outbox.close(linger=FINAL_SEND_LINGER_MS)
     context.term()

@@ -68,6 +68,9 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._arrivals = count()
         self._totals = {"prompt": 0, "cached": 0, "generated": 0, "preempted": 0}
+        # Last outputs of PD prefill requests whose KV is still being sent (see PeerKVConnector).
+        self._deferred: dict[str, CoreOutput] = {}
+        self.kv_transfer_endpoint: str | None = None  # decode role: set by the factory
 
     @property
     def vocab_size(self) -> int:
@@ -84,7 +87,12 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._deferred) or self.kv_loads.busy
+
+    @property
+    def has_runnable_work(self) -> bool:
+        """Requests a step would compute; without them the loop sleeps until KV news or a message."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -102,8 +110,9 @@ class Engine:
             arrival_index=next(self._arrivals),
             max_model_len=self.max_model_len,
             grammar=self._new_grammar(params),
+            kv_transfer=request.kv_transfer,
         )
-        self.scheduler.add(state)
+        self.scheduler.add(state, self.kv_loads.request_added(state))
 
     def _new_grammar(self, params: SamplingParams) -> GrammarMatcher | None:
         if params.structured_output is None:
@@ -128,16 +137,27 @@ class Engine:
         self.kv_loads.poll()  # requests whose KV arrived from elsewhere become runnable
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)  # drafts for the scheduler to add to decode rows
+        sent = self._sent_outputs() if self._deferred else []
         scheduled = self.scheduler.schedule()
         self._totals["preempted"] += len(scheduled.preempted)
         self.step_inputs.pages_allocated(*self.kv.take_allocated())  # the pool's tags, from the allocator
         self.kv_loads.start(scheduled.kv_loads)
         if not scheduled.scheduled:
-            return []
+            return sent
         step_output = self.worker.execute(self.step_inputs.build(scheduled.scheduled, self.structured))
         outputs = self._process_outputs(scheduled.scheduled, step_output)
         if self.speculator is not None:  # what the step cost decides whether drafts pay at this batch size
             self.speculator.step_finished(scheduled.scheduled, sum(len(o.new_token_ids) for o in outputs))
+        return sent + outputs
+
+    def _sent_outputs(self) -> list[CoreOutput]:
+        """The held-back last outputs of prefill requests whose KV send just ended."""
+        outputs = []
+        for request_id, ok in self.kv_loads.poll_sent():
+            output = self._deferred.pop(request_id, None)
+            if output is not None:
+                output.kv_transfer_status = "sent" if ok else "failed"
+                outputs.append(output)
         return outputs
 
     def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[CoreOutput]:
@@ -242,10 +262,15 @@ class Engine:
         self._totals["prompt"] += request.num_prompt_tokens
         self._totals["cached"] += request.cached_tokens or 0
         self._totals["generated"] += len(request.output_token_ids)
+        if finish_reason in ("stop", "length") and self.kv_loads.is_sending(request.request_id):
+            # A PD prefill answer says whether its KV was sent: it goes out when the send ends.
+            self._deferred[request.request_id] = output
+            return CoreOutput(request.request_id, [], request.num_prompt_tokens, request.cached_tokens or 0)
         return output
 
     def stats(self) -> EngineStats:
         spec = self.speculator.stats if self.speculator is not None else None
+        transfer = self.kv_loads.counters()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -262,6 +287,10 @@ class Engine:
             spec_num_drafts_total=spec.num_drafts if spec else 0,
             spec_draft_tokens_total=spec.num_draft_tokens if spec else 0,
             spec_accepted_tokens_total=spec.num_accepted_tokens if spec else 0,
+            kv_transfer_failures_total=transfer.get("transfer_failures", 0),
+            kv_recomputed_tokens_total=self.scheduler.num_kv_recomputed_tokens,
+            kv_transfer_pages_total=transfer.get("transfer_pages_received", 0)
+            + transfer.get("transfer_pages_sent", 0),
         )
 
 

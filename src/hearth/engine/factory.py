@@ -80,6 +80,15 @@ def build_engine(config: EngineConfig) -> Engine:
         worker = Worker(
             config, model_config, dtype, layout, num_pages, max_model_len, sample_vocab, eos_token_ids
         )
+    connectors = []
+    peer = None
+    if config.role != "mixed":
+        if parallel.is_parallel:
+            raise ModelLoadError("--role prefill/decode with tensor or pipeline parallelism is not built yet")
+        from hearth.kv_transfer.roles import peer_connector
+
+        peer = peer_connector(config, kv, worker.kv_pool)
+        connectors.append(peer)
     engine = Engine(
         config=config,
         model_config=model_config,
@@ -96,7 +105,13 @@ def build_engine(config: EngineConfig) -> Engine:
         speculator=build_speculator(
             config, model_config, worker, dtype, num_pages, max_model_len, sample_vocab, eos_token_ids
         ),
+        kv_connectors=connectors,
     )
+    if peer is not None and config.role == "decode":
+        engine.kv_transfer_endpoint = peer.transport.listen(config.kv_transfer_host, config.kv_transfer_port)
+        logger.info(
+            "decode role: KV transfer (%s) listening on %s", config.kv_transfer, engine.kv_transfer_endpoint
+        )
     logger.info(
         "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s, %s layout, %d bytes per token); "
         "max model len %d; ready in %.1f s",

@@ -16,6 +16,10 @@ Connector contract:
   freed and reused).
 - `request_finished(request)` runs when a request ends, before its pages are freed: a place for a
   tier's write-back or a PD prefill server's send (the pages' KV is intact during the call).
+Optional hooks (PD): `request_added(request)` returns how many leading tokens a peer promised (the
+scheduler's `kv_pending_tokens`); a connector still sending a finished request's KV says so in
+`is_sending` and reports the outcome once in `poll_sent`, and the engine holds that request's last
+output back until then; `wakeup_fd` becomes readable when `poll` has news, so an idle loop can sleep.
 """
 
 from __future__ import annotations
@@ -75,6 +79,27 @@ class KVConnector(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+    def request_added(self, request: Request) -> int:
+        return 0
+
+    def is_sending(self, request_id: str) -> bool:
+        return False
+
+    def poll_sent(self) -> list[tuple[str, bool]]:
+        return []
+
+    @property
+    def busy(self) -> bool:
+        """Work in flight that no scheduled request stands for (a send): the engine loop keeps polling."""
+        return False
+
+    @property
+    def wakeup_fd(self) -> int | None:
+        return None
+
+    def counters(self) -> dict[str, int]:
+        return {}
 
 
 @dataclass
@@ -185,6 +210,31 @@ class KVLoadCoordinator:
                 connector.cancel(request.request_id)
         for connector in self.connectors.values():
             connector.request_finished(request)
+
+    def request_added(self, request: Request) -> int:
+        """Leading tokens whose KV a connector promised for a new request (0: none)."""
+        return max((c.request_added(request) for c in self.connectors.values()), default=0)
+
+    def is_sending(self, request_id: str) -> bool:
+        return any(c.is_sending(request_id) for c in self.connectors.values())
+
+    def poll_sent(self) -> list[tuple[str, bool]]:
+        return [item for c in self.connectors.values() for item in c.poll_sent()]
+
+    @property
+    def busy(self) -> bool:
+        return any(c.busy for c in self.connectors.values())
+
+    @property
+    def wakeup_fds(self) -> list[int]:
+        return [fd for c in self.connectors.values() if (fd := c.wakeup_fd) is not None]
+
+    def counters(self) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for connector in self.connectors.values():
+            for name, value in connector.counters().items():
+                merged[name] = merged.get(name, 0) + value
+        return merged
 
     def close(self) -> None:
         for connector in self.connectors.values():

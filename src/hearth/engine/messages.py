@@ -15,6 +15,15 @@ from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.sampling_params import SamplingParams
 
 
+class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A request's part in a PD transfer: "decode" (its prompt's KV arrives under `transfer_id`) or
+    "prefill" (send its prompt's KV to the decode server's transport endpoint `peer` when it ends)."""
+
+    role: str
+    transfer_id: str
+    peer: str | None = None
+
+
 class EngineRequest(msgspec.Struct, tag=True, omit_defaults=True):
     """Add a request. The core validates it (prompt length, token ids, grammar) and rejects it with a
     `CoreOutput` whose `rejected_param` names the offending parameter."""
@@ -23,6 +32,7 @@ class EngineRequest(msgspec.Struct, tag=True, omit_defaults=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    kv_transfer: KVTransferParams | None = None
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -44,6 +54,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     rejected_param: str | None = None
     ends_with_stop_token: bool = False  # the last token is EOS or a stop token: counted, not shown as text
     error_code: str | None = None  # with "error": a code for clients, e.g. "kv_integrity_error"
+    kv_transfer_status: str | None = None  # PD prefill side, last output: "sent" or "failed"
 
     @property
     def finished(self) -> bool:
@@ -77,6 +88,9 @@ class EngineStats(msgspec.Struct):
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     kv_integrity_failures_total: int = 0  # request-steps whose page tags did not match
+    kv_transfer_failures_total: int = 0  # PD transfers that failed here (sends, or loads recomputed)
+    kv_recomputed_tokens_total: int = 0  # tokens promised from elsewhere (peer, tier) and recomputed
+    kv_transfer_pages_total: int = 0  # pages sent plus received
 
 
 class ShutdownCore(msgspec.Struct, tag=True):
@@ -92,6 +106,7 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True):
     num_kv_tokens: int
     vocab_size: int
     stats: EngineStats
+    kv_transfer_endpoint: str | None = None  # decode role: where prefill servers send KV
 
 
 class CoreFailed(msgspec.Struct, tag=True, array_like=True):

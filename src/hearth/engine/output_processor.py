@@ -121,6 +121,7 @@ class OutputProcessor:
             stop_reason=stop_reason,
             error=core.error,
             error_code=core.error_code,
+            kv_transfer_status=core.kv_transfer_status,
         )
 
     @staticmethod

@@ -36,6 +36,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     error: str | None = None
     error_code: str | None = None  # with "error": what clients see as the error's `code`
+    kv_transfer_status: str | None = None  # PD prefill side, last output: "sent" or "failed"
 
     @property
     def finished(self) -> bool:

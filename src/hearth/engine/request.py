@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from hearth.engine.messages import KVTransferParams
 from hearth.engine.outputs import FinishReason
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.structured_output import GrammarMatcher
@@ -27,6 +28,7 @@ class Request:
     arrival_index: int
     max_model_len: int
     grammar: GrammarMatcher | None = None  # set when the answer is constrained (structured output)
+    kv_transfer: KVTransferParams | None = None  # its part in a PD transfer (hearth.kv_transfer.connector)
 
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the KV cache holds
     output_token_ids: list[int] = field(default_factory=list)

@@ -268,6 +268,16 @@ class KVCacheManager:
             else:
                 self.allocator.release(page_id)
 
+    def hold_pages(self, page_ids: list[int]) -> None:
+        """An extra reference on pages a holder has (a PD send reads them after the request ends)."""
+        for page_id in page_ids:
+            self.allocator.incref(page_id)
+
+    def release_pages(self, page_ids: list[int]) -> None:
+        """Drop references taken by `hold_pages`."""
+        for page_id in reversed(page_ids):
+            self._drop(page_id)
+
     def reset_prefix_cache(self) -> None:
         for page_id in self.prefix_cache.clear_parked():
             self.allocator.release(page_id)

@@ -156,6 +156,10 @@ class Router:
         stream = bool(body.get("stream"))
         if self.pool.healthy("prefill") and self.pool.healthy("decode"):
             return await self._generate_pd(request, body, route, headers, stream, received_s)
+        if not self.pool.healthy("mixed") and self.pool.healthy("decode"):
+            # No prefill server is healthy: a decode server computes the prompt itself (a body with no
+            # kv_transfer field is an ordinary request to it), which beats answering 503.
+            return await self._generate_mixed(request, raw, route, headers, stream, received_s, "decode")
         return await self._generate_mixed(request, raw, route, headers, stream, received_s)
 
     def _route_request(self, body: dict[str, Any], session_key: str | None) -> RouteRequest:
@@ -187,11 +191,12 @@ class Router:
         headers: bytes,
         stream: bool,
         received_s: float,
+        role: str = "mixed",
     ) -> Response | StreamWriter:
         tried: set[str] = set()
         errors: list[str] = []
         for attempt in range(2):
-            workers = self.pool.healthy("mixed")
+            workers = self.pool.healthy(role)
             if tried:
                 workers = [w for w in workers if w.url not in tried]
             if not workers:

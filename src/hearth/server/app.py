@@ -126,6 +126,10 @@ def build_app(
         tool_parser=get_tool_parser(config.tool_parser) if config.tool_parser else None,
     )
     state_box["state"] = state
+    if config.role == "prefill":
+        from hearth.server.pd import KVPeers
+
+        state.kv_peers = KVPeers(config.kv_transfer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -163,6 +167,8 @@ def build_app(
             starting.add_done_callback(lambda done: None if done.exception() else done.result().shutdown())
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
+        if state.kv_peers is not None:
+            await state.kv_peers.close()
 
     app = FastAPI(title="Hearth", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hearth = state
@@ -226,6 +232,15 @@ def build_app(
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/kv_transfer/endpoint")
+    async def kv_transfer_endpoint() -> dict[str, Any]:
+        """Where prefill servers send this decode server's KV (docs/pd-protocol.md)."""
+        engine = state.require_engine()
+        endpoint = getattr(engine, "kv_transfer_endpoint", None)
+        if config.role != "decode" or endpoint is None:
+            raise APIError("this server is not a decode server", 404, "not_found_error")
+        return {"role": "decode", "transport": config.kv_transfer, "endpoint": endpoint}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

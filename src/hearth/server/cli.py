@@ -85,6 +85,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_pd_arguments(parser)
+
+
+def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
+    from hearth.engine.config import ROLE_CHOICES
+
+    group = parser.add_argument_group("prefill/decode disaggregation (docs/pd-protocol.md)")
+    group.add_argument(
+        "--role",
+        default="mixed",
+        choices=ROLE_CHOICES,
+        help="mixed: computes everything; prefill: computes prompts and sends their KV; decode: receives "
+        "prompt KV and answers",
+    )
+    group.add_argument(
+        "--kv-transfer", default="tcp", choices=("tcp", "mooncake"), help="how KV moves between servers"
+    )
+    group.add_argument(
+        "--kv-transfer-host", default="127.0.0.1", help="decode role: address the KV listener binds"
+    )
+    group.add_argument(
+        "--kv-transfer-port", type=int, default=0, help="decode role: KV listener port (0: any free port)"
+    )
+    group.add_argument(
+        "--kv-transfer-secret",
+        default=None,
+        help="the deployment's shared KV transfer secret (default: $HEARTH_KV_TRANSFER_SECRET)",
+    )
+    group.add_argument(
+        "--kv-transfer-timeout",
+        dest="kv_transfer_timeout_s",
+        type=float,
+        default=30.0,
+        help="seconds a decode request waits for its KV before it computes the prompt itself",
+    )
 
 
 def port_number(text: str) -> int:
@@ -149,6 +184,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hearth serve: {exc}", file=sys.stderr)
         return 2
+    if args.kv_transfer_secret:
+        # The engine core reads it from its environment: it never appears in its command line.
+        os.environ["HEARTH_KV_TRANSFER_SECRET"] = args.kv_transfer_secret
+    if engine_config.role != "mixed" and not os.environ.get("HEARTH_KV_TRANSFER_SECRET"):
+        print(
+            f"hearth serve: --role {engine_config.role} needs the deployment's KV transfer secret: pass "
+            "--kv-transfer-secret or set $HEARTH_KV_TRANSFER_SECRET (the same on every server)",
+            file=sys.stderr,
+        )
+        return 2
     if engine_config.node_rank > 0:  # this host only runs ranks; node 0 serves the API
         from hearth.distributed.node import run_node
 
@@ -160,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         chat_template_path=args.chat_template,
         aliases=(str(model_dir), str(model_dir.resolve()), model_dir.name),
+        role=engine_config.role,
+        kv_transfer=engine_config.kv_transfer,
         max_request_bytes=args.max_request_bytes,
         body_read_timeout_s=args.body_read_timeout_s,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,

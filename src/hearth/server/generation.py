@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR
+from hearth.engine.messages import KVTransferParams
 from hearth.engine.outputs import RequestOutput, TokenLogprob
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.structured_output import StructuredOutput
@@ -135,7 +136,9 @@ class Generation:
     params: list[SamplingParams]
     cache_salt: str | None
     prompt_index: list[int] | None = None  # which prompt each choice answers (n choices share one prompt)
+    kv_transfer: KVTransferParams | None = None  # PD: this server's part (one choice only)
     arrival_s: float = field(default_factory=time.perf_counter)
+    kv_transfer_status: str | None = None
     _choices: list[_Choice] = field(default_factory=list)
     _admitted: bool = False
     _closed: bool = False
@@ -182,6 +185,17 @@ class Generation:
             if not choice.finished:
                 await engine.abort(choice.request_id, reason)
 
+    def kv_transfer_answer(self) -> dict[str, Any] | None:
+        """The prefill side's `kv_transfer` answer field (docs/pd-protocol.md), or None."""
+        transfer = self.kv_transfer
+        if transfer is None or transfer.role != "prefill":
+            return None
+        return {
+            "transfer_id": transfer.transfer_id,
+            "status": self.kv_transfer_status or "failed",
+            "num_tokens": self._choices[0].prompt_tokens if self.kv_transfer_status == "sent" else 0,
+        }
+
     def usage(self) -> dict[str, Any]:
         """Usage as OpenAI counts it: each prompt once (its first choice's cache hits), every answer token."""
         groups = self.prompt_index or [0] * len(self._choices)
@@ -210,6 +224,8 @@ class Generation:
         choice.completion_tokens = output.completion_tokens
         choice.cached_tokens = output.cached_tokens
         choice.prompt_tokens = output.prompt_tokens
+        if output.kv_transfer_status is not None:
+            self.kv_transfer_status = output.kv_transfer_status
         self.state.load.progress(choice.request_id, output.prompt_tokens + output.completion_tokens)
         if output.finished:
             choice.finished = True
@@ -223,8 +239,9 @@ class Generation:
         Leaving early (client gone, error) closes the engine streams, which aborts their requests.
         """
         engine = self.state.require_engine()
+        kv_transfer = self.kv_transfer if len(self.prompts) == 1 else None
         streams = [
-            engine.generate(prompt, params, choice.request_id, self.cache_salt)
+            engine.generate(prompt, params, choice.request_id, self.cache_salt, kv_transfer)
             for prompt, params, choice in zip(self.prompts, self.params, self._choices, strict=False)
         ]
         if len(streams) == 1:

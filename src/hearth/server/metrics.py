@@ -101,6 +101,19 @@ class _EngineCollector(Collector):
             "Request-steps whose KV page tables failed the integrity check (each recomputed or failed).",
             stats.kv_integrity_failures_total,
         )
+        yield counter(
+            "kv_transfer_failures",
+            "PD KV transfers that failed here (a decode server recomputes the prompt instead).",
+            stats.kv_transfer_failures_total,
+        )
+        yield counter(
+            "kv_recomputed_tokens",
+            "Prompt tokens whose KV was promised by a peer or a tier but was recomputed.",
+            stats.kv_recomputed_tokens_total,
+        )
+        yield counter(
+            "kv_transfer_pages", "KV pages sent or received by PD transfer.", stats.kv_transfer_pages_total
+        )
         if getattr(stats, "spec_method", ""):
             yield from _speculative_metrics(stats, self._model_name)
 

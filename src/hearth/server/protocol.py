@@ -99,6 +99,15 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+class KVTransferField(_Model):
+    """The router's PD instructions (docs/pd-protocol.md)."""
+
+    role: Literal["prefill", "decode"]
+    transfer_id: Annotated[str, Field(min_length=1, max_length=128)]
+    decode_url: str | None = None
+    prefill_url: str | None = None
+
+
 class SamplingRequest(_Model):
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
@@ -123,6 +132,7 @@ class SamplingRequest(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    kv_transfer: KVTransferField | None = None
 
     @property
     def usage_in_stream(self) -> tuple[bool, bool]:

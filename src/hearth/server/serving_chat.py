@@ -30,6 +30,7 @@ from hearth.server.generation import (
     sampling_params,
     structured_output,
 )
+from hearth.server.pd import engine_kv_transfer
 from hearth.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 from hearth.server.sse import DONE_EVENT, sse_event
 from hearth.server.state import ServerState
@@ -206,7 +207,14 @@ async def create_chat_completion(
     affinity = raw.headers.get("x-session-affinity")
     if affinity:
         logger.info("request %s session-affinity=%s prompt_tokens=%d", request_id, affinity, len(prompt_ids))
-    generation = Generation(state, request_id, [prompt_ids] * request.n, params, request.cache_salt)
+    generation = Generation(
+        state,
+        request_id,
+        [prompt_ids] * request.n,
+        params,
+        request.cache_salt,
+        kv_transfer=await engine_kv_transfer(state, request, request.n),
+    )
     generation.admit()
     return await respond(
         raw,
@@ -271,6 +279,9 @@ async def _complete(
         "choices": choices,
         "usage": generation.usage(),
     }
+    kv_transfer = generation.kv_transfer_answer()
+    if kv_transfer is not None:
+        body["kv_transfer"] = kv_transfer
     return JSONResponse(body)
 
 

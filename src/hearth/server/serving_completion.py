@@ -22,6 +22,7 @@ from hearth.server.generation import (
     sampling_params,
     structured_output,
 )
+from hearth.server.pd import engine_kv_transfer
 from hearth.server.protocol import CompletionRequest
 from hearth.server.sse import DONE_EVENT, sse_event
 from hearth.server.state import ServerState
@@ -89,7 +90,15 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     affinity = raw.headers.get("x-session-affinity")
     if affinity:
         logger.info("request %s session-affinity=%s", request_id, affinity)
-    generation = Generation(state, request_id, token_lists, params, request.cache_salt, prompt_index)
+    generation = Generation(
+        state,
+        request_id,
+        token_lists,
+        params,
+        request.cache_salt,
+        prompt_index,
+        kv_transfer=await engine_kv_transfer(state, request, len(token_lists)),
+    )
     generation.admit()
     echoes = [engine.tokenizer.decode(tokens) if request.echo else "" for tokens in token_lists]
     return await respond(
@@ -135,16 +144,18 @@ async def _complete(
         }
         for index in range(num_choices)
     ]
-    return JSONResponse(
-        {
-            "id": generation.request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": state.config.model_name,
-            "choices": choices,
-            "usage": generation.usage(),
-        }
-    )
+    body = {
+        "id": generation.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.config.model_name,
+        "choices": choices,
+        "usage": generation.usage(),
+    }
+    kv_transfer = generation.kv_transfer_answer()
+    if kv_transfer is not None:
+        body["kv_transfer"] = kv_transfer
+    return JSONResponse(body)
 
 
 async def _stream(

@@ -27,6 +27,8 @@ class ServerConfig:
     tool_parser: str | None = "hermes"
     chat_template_path: str | None = None
     aliases: tuple[str, ...] = ()  # other names accepted as `model` (e.g. the checkpoint path)
+    role: str = "mixed"  # prefill/decode disaggregation role (docs/pd-protocol.md)
+    kv_transfer: str = "tcp"  # the KV transport between prefill and decode servers
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413 before they are read
     body_read_timeout_s: float = 60.0  # a body not fully received by then gets 408
     allow_special_tokens_in_content: bool = False  # `<|im_start|>` in a message is text unless set
@@ -48,6 +50,7 @@ class ServerState:
     # Requests whose engine streams are open, so a shutdown past its timeout can end each one cleanly.
     live: set[Generation] = field(default_factory=set)
     _token_text_cache: dict[int, str] = field(default_factory=dict)
+    kv_peers: Any = None  # hearth.server.pd.KVPeers on a prefill server
 
     @property
     def ready(self) -> bool:

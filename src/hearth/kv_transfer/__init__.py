@@ -1,0 +1,23 @@
+"""Moving KV pages between servers (prefill/decode disaggregation): transports in a registry.
+
+`make_transport(name, ...)` builds one by `--kv-transfer` name: `tcp` (the default, everywhere) and
+`mooncake` (Mooncake Transfer Engine, when installed). See `base.py` for the contract.
+"""
+
+from __future__ import annotations
+
+from hearth.kv_transfer.base import TRANSPORTS, KVTransport, PageSink, WireLayout
+
+TRANSPORT_CHOICES = ("tcp", "mooncake")
+
+
+def make_transport(
+    name: str, layout: WireLayout, secret: bytes, timeout_s: float, sink: PageSink
+) -> KVTransport:
+    if name == "tcp":
+        import hearth.kv_transfer.tcp  # noqa: F401 - registers itself
+    elif name == "mooncake":
+        import hearth.kv_transfer.mooncake  # noqa: F401 - registers itself (raises if not installed)
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {name!r}; choose one of {', '.join(TRANSPORT_CHOICES)}")
+    return TRANSPORTS[name](layout, secret, timeout_s, sink)

@@ -1,0 +1,218 @@
+"""The KV transport interface: one server's end of the wire that moves a prompt's pages between servers.
+
+A transport moves pages; it knows nothing of requests or the scheduler (the engine's
+`PeerKVConnector` maps requests onto transfers). Both ends of a transfer name it by the router's
+`transfer_id`. The decode side `listen`s and `open_receive`s what it needs (which pages of the
+request, into which of its own pages); the prefill side `send`s what it computed. The receiver
+answers the sender with the range of request pages it wants, so only pages missing from the decode
+server's own prefix cache cross the wire.
+
+Contract:
+- `open_receive(spec)`: pages for `spec.transfer_id` may be written into `spec.page_ids` from now on.
+- `close_receive(transfer_id)`: when it returns, no write for that transfer lands any more (the pages
+  are about to be recomputed in place or freed and reused); a sender that comes later is told nothing
+  is wanted. Closing an unknown id records it as closed. Idempotent.
+- `send(spec)` returns at once; the pages of `spec.source` must stay intact until the `sent` event.
+- `events()` returns what finished since the last call: each opened receive and each send is
+  answered exactly once (a closed receive is not answered).
+- `wakeup_fd` becomes readable when an event is ready, so an idle engine loop can sleep on it.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import msgspec
+import torch
+import xxhash
+
+
+class WireLayout(msgspec.Struct, frozen=True):
+    """What a page holds, as both ends compare it at the handshake (the dtype may differ: converted)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    kind: str
+    dtype: str
+
+    def mismatch(self, other: WireLayout) -> str | None:
+        """Why pages of `other` cannot be written into pages of this layout, or None."""
+        mine = (self.kind, self.num_layers, self.num_kv_heads, self.head_dim, self.page_size)
+        theirs = (other.kind, other.num_layers, other.num_kv_heads, other.head_dim, other.page_size)
+        if mine == theirs:
+            return None
+        return (
+            "KV layout mismatch between prefill and decode servers: "
+            f"this side {self.describe()}, the peer {other.describe()} "
+            "(kind, layers, KV heads, head dim and page size must match; only the dtype may differ)"
+        )
+
+    def describe(self) -> str:
+        return f"{self.kind}/{self.dtype}/p{self.page_size}/h{self.num_kv_heads}x{self.head_dim}/l{self.num_layers}"
+
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        """One page on the wire: every layer's K and V, `[num_layers, 2, page_size, heads, head_dim]`."""
+        return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def page_bytes(self, dtype: torch.dtype) -> int:
+        numel = 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
+        return numel * torch.empty((), dtype=dtype).element_size()
+
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def prompt_hash(token_ids: list[int]) -> int:
+    """Both ends hash the prompt: KV computed for other tokens must never be used."""
+    return xxhash.xxh3_64_intdigest(memoryview(torch.tensor(token_ids, dtype=torch.int64).numpy()))
+
+
+class PageSource(Protocol):
+    """The sender's pages: request page `i` is `read(i, 1)`."""
+
+    @property
+    def num_pages(self) -> int: ...
+
+    def read(self, first: int, count: int) -> torch.Tensor:
+        """Pages [first, first + count) page-major, `[count, *page_shape]`, contiguous, on the CPU."""
+        ...
+
+
+# Writes pages (`[count, *page_shape]`, any float dtype, CPU) into the named pool pages.
+PageSink = Callable[[list[int], torch.Tensor], None]
+
+
+@dataclass
+class ReceiveSpec:
+    transfer_id: str
+    first_page: int  # the request's page index of page_ids[0]
+    page_ids: list[int]  # pool pages, in request order
+    end_token: int  # the sender must hold at least this many computed tokens of the prompt
+    prompt_hash: int
+
+
+@dataclass
+class SendSpec:
+    transfer_id: str
+    endpoint: str
+    source: PageSource
+    num_tokens: int  # computed prompt tokens the source's pages hold (0: none; tells the receiver to give up)
+    prompt_hash: int
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    transfer_id: str
+    kind: Literal["received", "sent"]
+    ok: bool
+    detail: str = ""
+    num_pages: int = 0  # pages written (received) or sent
+
+
+@dataclass
+class TransferCounters:
+    """Totals for metrics and tests (each transport keeps one)."""
+
+    pages_received: int = 0
+    pages_sent: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    late_writes_dropped: int = 0  # pages that arrived for a closed transfer and were not written
+    handshakes_refused: int = 0
+    events: dict[str, int] = field(default_factory=dict)
+
+
+class Waker:
+    """A pipe an idle engine loop sleeps on; any thread may `wake` it."""
+
+    def __init__(self) -> None:
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    @property
+    def fd(self) -> int:
+        return self._read_fd
+
+    def wake(self) -> None:
+        try:
+            os.write(self._write_fd, b"x")
+        except (BlockingIOError, OSError):  # full: a wakeup is already pending; closed: shutting down
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._read_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self._read_fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class KVTransport(ABC):
+    """See the module docstring for the contract."""
+
+    name: str
+
+    def __init__(self, layout: WireLayout, secret: bytes, timeout_s: float, sink: PageSink) -> None:
+        self.layout = layout
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self.sink = sink
+        self.counters = TransferCounters()
+        self.waker = Waker()
+
+    @property
+    def wakeup_fd(self) -> int:
+        return self.waker.fd
+
+    @abstractmethod
+    def listen(self, host: str, port: int) -> str:
+        """Start accepting senders; returns the endpoint senders are given (e.g. `tcp://127.0.0.1:40123`)."""
+
+    @abstractmethod
+    def open_receive(self, spec: ReceiveSpec) -> None: ...
+
+    @abstractmethod
+    def close_receive(self, transfer_id: str) -> None: ...
+
+    @abstractmethod
+    def send(self, spec: SendSpec) -> None: ...
+
+    @abstractmethod
+    def events(self) -> list[TransferEvent]: ...
+
+    def close(self) -> None:
+        self.waker.close()
+
+
+TRANSPORTS: dict[str, type[KVTransport]] = {}
+
+
+def register_transport(name: str) -> Callable[[type[KVTransport]], type[KVTransport]]:
+    def wrap(cls: type[KVTransport]) -> type[KVTransport]:
+        cls.name = name
+        TRANSPORTS[name] = cls
+        return cls
+
+    return wrap

@@ -1,0 +1,213 @@
+"""The TCP KV transport between two real pools over real loopback sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hearth.kv.pool import KVLayout, KVPool
+from hearth.kv_transfer import make_transport
+from hearth.kv_transfer.base import KVTransport, ReceiveSpec, SendSpec, TransferEvent
+from hearth.kv_transfer.connector import PoolPageSource, pool_sink, wire_layout
+
+SECRET = b"s3cret"
+HASH = 1234
+
+
+def make_pool(dtype: torch.dtype = torch.float32, num_pages: int = 16, heads: int = 2) -> KVPool:
+    pool = KVPool(
+        KVLayout(num_layers=3, num_kv_heads=heads, head_dim=8, page_size=4, kv_dtype=dtype), num_pages
+    )
+    pool.storage.zero_()
+    return pool
+
+
+def transport(pool: KVPool, secret: bytes = SECRET, timeout_s: float = 5.0) -> KVTransport:
+    return make_transport("tcp", wire_layout(pool.layout), secret, timeout_s, pool_sink(pool))
+
+
+def wait_events(t: KVTransport, count: int, timeout_s: float = 10.0) -> list[TransferEvent]:
+    events: list[TransferEvent] = []
+    deadline = time.monotonic() + timeout_s
+    while len(events) < count and time.monotonic() < deadline:
+        events += t.events()
+        time.sleep(0.005)
+    assert len(events) >= count, events
+    return events
+
+
+@pytest.fixture
+def pair():
+    sender_pool, receiver_pool = make_pool(), make_pool(torch.bfloat16)
+    sender, receiver = transport(sender_pool), transport(receiver_pool)
+    endpoint = receiver.listen("127.0.0.1", 0)
+    yield sender_pool, receiver_pool, sender, receiver, endpoint
+    sender.close()
+    receiver.close()
+
+
+def test_pages_arrive_converted_and_only_the_wanted_ones(pair) -> None:
+    sender_pool, receiver_pool, sender, receiver, endpoint = pair
+    sender_pool.storage.normal_()
+    source_pages = [3, 7, 1, 9, 4]  # the prefill request's pages 0..4
+    # The decode side already holds request pages 0 and 1 (its own prefix cache): it wants 2..4.
+    receiver.open_receive(ReceiveSpec("t1", 2, [11, 5, 6], 5 * 4 - 1, HASH))
+    sender.send(SendSpec("t1", endpoint, PoolPageSource(sender_pool, source_pages), 5 * 4, HASH))
+    (sent,) = wait_events(sender, 1)
+    (received,) = wait_events(receiver, 1)
+    assert sent.ok and received.ok and sent.num_pages == 3 and received.num_pages == 3
+    expected = sender_pool.read_pages([1, 9, 4]).to(torch.bfloat16)
+    assert torch.equal(receiver_pool.read_pages([11, 5, 6]), expected)
+    untouched = [p for p in range(16) if p not in (11, 5, 6)]
+    assert receiver_pool.read_pages(untouched).abs().sum() == 0
+    assert receiver.counters.pages_received == 3 and sender.counters.pages_sent == 3
+
+
+def test_many_batches_stream_on_one_connection(pair) -> None:
+    sender_pool, receiver_pool, sender, receiver, endpoint = pair
+    sender.batch_bytes = 1  # one page per batch
+    sender_pool.storage.normal_()
+    receiver.open_receive(ReceiveSpec("t2", 0, list(range(8)), 30, HASH))
+    sender.send(SendSpec("t2", endpoint, PoolPageSource(sender_pool, list(range(8, 16))), 32, HASH))
+    assert wait_events(receiver, 1)[0].ok
+    assert torch.equal(
+        receiver_pool.read_pages(list(range(8))), sender_pool.read_pages(list(range(8, 16))).bfloat16()
+    )
+
+
+def test_wrong_secret_is_refused_at_once() -> None:
+    sender_pool, receiver_pool = make_pool(), make_pool()
+    sender, receiver = transport(sender_pool, b"wrong"), transport(receiver_pool)
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        receiver.open_receive(ReceiveSpec("t3", 0, [0, 1], 5, HASH))
+        sender.send(SendSpec("t3", endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH))
+        (sent,) = wait_events(sender, 1)
+        (received,) = wait_events(receiver, 1, timeout_s=2.0)  # well before the 5 s timeout
+        assert not sent.ok and "secret" in sent.detail
+        assert not received.ok and "secret" in received.detail
+        assert receiver.counters.handshakes_refused == 1 and receiver.counters.pages_received == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_layout_mismatch_is_a_clear_error_on_both_sides() -> None:
+    sender_pool, receiver_pool = make_pool(heads=4), make_pool(heads=2)
+    sender, receiver = transport(sender_pool), transport(receiver_pool)
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        receiver.open_receive(ReceiveSpec("t4", 0, [0], 3, HASH))
+        sender.send(SendSpec("t4", endpoint, PoolPageSource(sender_pool, [0]), 4, HASH))
+        (sent,) = wait_events(sender, 1)
+        (received,) = wait_events(receiver, 1)
+        for event in (sent, received):
+            assert not event.ok and "KV layout mismatch" in event.detail and "h4x8" in event.detail
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_another_prompt_or_too_few_tokens_fail_the_load(pair) -> None:
+    sender_pool, _, sender, receiver, endpoint = pair
+    receiver.open_receive(ReceiveSpec("t5", 0, [0, 1], 7, HASH))
+    sender.send(SendSpec("t5", endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH + 1))
+    assert not wait_events(receiver, 1)[0].ok
+    receiver.open_receive(ReceiveSpec("t6", 0, [0, 1], 7, HASH))
+    sender.send(SendSpec("t6", endpoint, PoolPageSource(sender_pool, []), 0, HASH))  # an aborted prefill
+    assert "holds 0 tokens" in wait_events(receiver, 1)[0].detail
+
+
+def test_a_closed_transfer_tells_a_late_sender_nothing_is_wanted(pair) -> None:
+    sender_pool, _, sender, receiver, endpoint = pair
+    receiver.close_receive("t7")
+    sender.send(SendSpec("t7", endpoint, PoolPageSource(sender_pool, [0]), 4, HASH))
+    (sent,) = wait_events(sender, 1)
+    assert sent.ok and sent.detail == "nothing wanted" and receiver.events() == []
+
+
+class GatedSource:
+    """A prefill's pages whose read waits for the test: the transfer is paused mid-flight."""
+
+    def __init__(self, pool: KVPool, page_ids: list[int]) -> None:
+        self.inner = PoolPageSource(pool, page_ids)
+        self.reading = threading.Event()
+        self.go = threading.Event()
+
+    @property
+    def num_pages(self) -> int:
+        return self.inner.num_pages
+
+    def read(self, first: int, count: int) -> torch.Tensor:
+        self.reading.set()
+        assert self.go.wait(10)
+        return self.inner.read(first, count)
+
+
+def test_a_late_write_never_lands_in_reused_pages(pair) -> None:
+    """The SGLang bug: a transfer is cancelled (abort, timeout) while its pages are in flight, the
+    pages are freed and handed to another request; the old transfer's pages must not land there."""
+    sender_pool, receiver_pool, sender, receiver, endpoint = pair
+    sender_pool.storage.fill_(1.0)
+    source = GatedSource(sender_pool, [0, 1])
+    receiver.open_receive(ReceiveSpec("old", 0, [5, 6], 7, HASH))
+    sender.send(SendSpec("old", endpoint, source, 8, HASH))
+    assert source.reading.wait(10)  # handshake done, pages wanted, the sender is about to send them
+    receiver.close_receive("old")  # the decode request was aborted: from here no write may land
+    # Pages 5 and 6 now belong to a new request that computed its own KV there.
+    receiver_pool.write_pages([5, 6], torch.full((3, 2, 2, 4, 2, 8), 7.0))
+    source.go.set()
+    (sent,) = wait_events(sender, 1)
+    assert not sent.ok
+    assert receiver.counters.late_writes_dropped == 2 and receiver.counters.pages_received == 0
+    assert torch.all(receiver_pool.read_pages([5, 6]) == 7.0)
+    assert receiver.events() == []  # a closed receive is not answered
+
+
+def test_prefill_death_mid_transfer_fails_the_load(pair) -> None:
+    sender_pool, _, _, receiver, endpoint = pair
+    import socket
+
+    from hearth.kv_transfer.tcp import Auth, Challenge, Hello, Want, _mac, recv_message, send_message
+
+    receiver.open_receive(ReceiveSpec("t8", 0, [0, 1], 7, HASH))
+    with socket.create_connection(("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))) as sock:
+        send_message(sock, Hello(1, "t8", b"n" * 32))
+        challenge = recv_message(sock)
+        assert isinstance(challenge, Challenge)
+        send_message(
+            sock,
+            Auth(_mac(SECRET, b"s", challenge.nonce, b"n" * 32), wire_layout(sender_pool.layout), 8, HASH),
+        )
+        assert isinstance(recv_message(sock), Want)
+        sock.sendall(b"\x00\x00")  # half a frame, then the process is gone
+    (received,) = wait_events(receiver, 1)
+    assert not received.ok and "broken" in received.detail
+
+
+def test_a_corrupted_page_fails_its_checksum_and_is_not_written(pair) -> None:
+    import socket
+
+    from hearth.kv_transfer.tcp import Auth, Batch, Challenge, Hello, Want, _mac, recv_message, send_message
+
+    sender_pool, receiver_pool, _, receiver, endpoint = pair
+    receiver.open_receive(ReceiveSpec("t9", 0, [2], 3, HASH))
+    layout = wire_layout(sender_pool.layout)
+    page = torch.ones(layout.page_shape())
+    raw = page.numpy().tobytes()
+    with socket.create_connection(("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))) as sock:
+        send_message(sock, Hello(1, "t9", b"n" * 32))
+        challenge = recv_message(sock)
+        assert isinstance(challenge, Challenge)
+        send_message(sock, Auth(_mac(SECRET, b"s", challenge.nonce, b"n" * 32), layout, 4, HASH))
+        assert isinstance(recv_message(sock), Want)
+        from hearth.kv.checksum import page_checksum
+
+        send_message(sock, Batch("t9", 0, 1, "float32", [page_checksum(raw) ^ 1]))
+        sock.sendall(raw)
+        (received,) = wait_events(receiver, 1)
+    assert not received.ok and "checksum" in received.detail
+    assert receiver_pool.read_pages([2]).abs().sum() == 0

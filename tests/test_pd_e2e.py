@@ -1,0 +1,413 @@
+"""Prefill/decode disaggregation end to end: real `hearth serve --role prefill|decode` processes behind a
+real `hearth route`, compared with a mixed server computing the same requests (the oracle)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tiny_models import make_tiny_model
+
+from hearth.server.process import ServerProcess, free_port
+
+SECRET = "pd-test-secret"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+COMMON = ["--max-model-len", "1024", "--kv-cache-memory", "0.05", "--page-size", "8", "--max-num-seqs", "256"]
+
+
+def serve(model: Path, log: Path, *extra: str) -> ServerProcess:
+    return ServerProcess(["--model", str(model), *COMMON, *extra], log)
+
+
+class Router:
+    def __init__(self, prefill: list[str], decode: list[str], log: Path) -> None:
+        self.port = free_port()
+        command = [sys.executable, "-m", "hearth.cli", "route", "--port", str(self.port)]
+        command += ["--health-interval-s", "0.2", "--health-timeout-s", "5"]
+        for url in prefill:
+            command += ["--prefill", url]
+        for url in decode:
+            command += ["--decode", url]
+        self._log = log.open("wb")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.process.poll() is None, log.read_text()
+            try:
+                health = httpx.get(self.url + "/health", timeout=5).json()
+                if health["healthy_workers"] == health["workers"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("pd")
+    model = make_tiny_model(root / "tiny")
+    os.environ["HEARTH_KV_TRANSFER_SECRET"] = SECRET  # inherited by the servers, never on a command line
+    mixed = serve(model, root / "mixed.log")
+    prefill = serve(model, root / "prefill.log", "--role", "prefill")
+    decode = serve(model, root / "decode.log", "--role", "decode", "--kv-transfer-timeout", "4")
+    servers = [mixed, prefill, decode]
+    for server in servers:
+        server.start()
+    router = None
+    try:
+        for server in servers:
+            server.wait_ready(timeout_s=900)  # the shared test machine can be slow to import torch
+        router = Router([prefill.url], [decode.url], root / "router.log")
+        yield {
+            "model": model,
+            "root": root,
+            "mixed": mixed,
+            "prefill": prefill,
+            "decode": decode,
+            "router": router,
+        }
+    finally:
+        if router is not None:
+            router.stop()
+        for server in servers:
+            server.stop()
+        os.environ.pop("HEARTH_KV_TRANSFER_SECRET", None)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    match = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_for_zero_pages(urls: list[str], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = {url: httpx.get(url + "/load", timeout=10).json()["kv_pages_used"] for url in urls}
+        if not any(used.values()):
+            return
+        assert time.monotonic() < deadline, f"pages still in use: {used}"
+        time.sleep(0.2)
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> Any:
+    """JSON, or for a stream the list of SSE payloads."""
+    response = httpx.post(url + path, json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    if not body.get("stream"):
+        return response.json()
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+def comparable(answer: Any) -> Any:
+    """An answer without what legitimately differs (ids, timestamps); logprobs rounded."""
+    if isinstance(answer, list):
+        return [comparable(chunk) for chunk in answer]
+    answer = dict(answer)
+    for key in ("id", "created", "kv_transfer"):
+        answer.pop(key, None)
+    return json.loads(json.dumps(answer), parse_float=lambda text: round(float(text), 3))
+
+
+def strip_ids(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: strip_ids(v) for k, v in value.items() if k != "id" or not isinstance(v, str)}
+    if isinstance(value, list):
+        return [strip_ids(v) for v in value]
+    return value
+
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about the sea " * 12}]}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Stream me a story about ships " * 9}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    ("/v1/completions", {"prompt": "Once upon a time there was a lighthouse keeper who " * 8}),
+    (
+        "/v1/completions",
+        {"prompt": "The tide rolls in " * 15, "stream": True, "stream_options": {"include_usage": True}},
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Weather in Paris and Rome?"}], "tools": [WEATHER_TOOL]},
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Give me logprobs " * 10}],
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    ),
+    ("/v1/completions", {"prompt": "log probs please " * 20, "logprobs": 2, "max_tokens": 12}),
+]
+
+
+def test_pd_through_the_router_answers_like_a_mixed_server(deployment: dict[str, Any]) -> None:
+    mixed, router, decode = deployment["mixed"], deployment["router"], deployment["decode"]
+    pages_before = metric(decode.url, "hearth_kv_transfer_pages_total")
+    for path, extra in CASES:
+        body = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, **extra}
+        want = post(mixed.url, path, body)
+        got = post(router.url, path, body)
+        assert strip_ids(comparable(got)) == strip_ids(comparable(want)), (path, extra)
+    # A stop string: learn what the model says, then stop on a piece of it in both deployments.
+    body = {
+        "prompt": "Where do the stop strings go " * 6,
+        "max_tokens": 20,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    text = post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+    post(router.url, "/v1/completions", body)  # both deployments' prefix caches have now seen it once
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    for stream in (False, True):
+        stopped = {
+            **body,
+            "stop": [stop],
+            "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None,
+        }
+        if not stream:
+            del stopped["stream_options"]
+        assert strip_ids(comparable(post(router.url, "/v1/completions", stopped))) == strip_ids(
+            comparable(post(mixed.url, "/v1/completions", stopped))
+        )
+    # Every one of those went through a transfer (none failed and recomputed).
+    assert metric(decode.url, "hearth_kv_transfer_pages_total") > pages_before
+    assert metric(decode.url, "hearth_kv_transfer_failures_total") == 0
+    assert metric(decode.url, "hearth_kv_recomputed_tokens_total") == 0
+    wait_for_zero_pages([deployment["prefill"].url, decode.url])
+
+
+def test_prefill_answer_reports_the_transfer_and_its_cached_tokens(deployment: dict[str, Any]) -> None:
+    """Sent by hand as the router would: the prefill side says 'sent'; the decode side's own cache hit
+    on a repeat shrinks the transfer to the pages it lacks."""
+    prefill, decode = deployment["prefill"], deployment["decode"]
+    body = {"prompt": "A prompt that both servers will see twice " * 10, "max_tokens": 4, "temperature": 0}
+    moved = []
+    for attempt in range(2):
+        transfer_id = f"manual-{attempt}-{random.getrandbits(64):x}"
+        before = metric(decode.url, "hearth_kv_transfer_pages_total")
+        decode_body = {
+            **body,
+            "kv_transfer": {"role": "decode", "transfer_id": transfer_id, "prefill_url": prefill.url},
+        }
+        prefill_body = {
+            **body,
+            "max_tokens": 1,
+            "kv_transfer": {"role": "prefill", "transfer_id": transfer_id, "decode_url": decode.url},
+        }
+
+        async def both(
+            decode_body=decode_body, prefill_body=prefill_body
+        ) -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(
+                    client.post(prefill.url + "/v1/completions", json=prefill_body),
+                    client.post(decode.url + "/v1/completions", json=decode_body),
+                )
+
+        prefill_answer, decode_answer = asyncio.run(both())
+        assert prefill_answer.status_code == decode_answer.status_code == 200
+        transfer = prefill_answer.json()["kv_transfer"]
+        assert transfer["transfer_id"] == transfer_id and transfer["status"] == "sent"
+        assert transfer["num_tokens"] == prefill_answer.json()["usage"]["prompt_tokens"]
+        moved.append(metric(decode.url, "hearth_kv_transfer_pages_total") - before)
+    assert moved[0] > 1 and moved[1] < moved[0], moved  # the repeat moved only what the decode lacked
+    assert metric(decode.url, "hearth_kv_transfer_failures_total") == 0
+
+
+def test_200_concurrent_pd_requests_with_client_aborts_leave_no_pages(deployment: dict[str, Any]) -> None:
+    router = deployment["router"]
+    rng = random.Random(7)
+
+    async def one(client: httpx.AsyncClient, index: int) -> str:
+        words = " ".join(
+            rng.choice(["sea", "ship", "wind", "salt", "gull", "rope"]) for _ in range(rng.randint(20, 160))
+        )
+        body = {
+            "prompt": f"{index}: {words}",
+            "max_tokens": rng.randint(2, 24),
+            "temperature": 0,
+            "stream": True,
+        }
+        abort_after_s = rng.uniform(0, 1.5) if rng.random() < 0.4 else None
+
+        async def consume() -> str:
+            async with client.stream("POST", router.url + "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                text = await response.aread()
+                assert b"[DONE]" in text and b'"error"' not in text, text[-500:]
+                return "done"
+
+        if abort_after_s is None:
+            return await consume()
+        try:
+            return await asyncio.wait_for(consume(), abort_after_s)
+        except asyncio.TimeoutError:
+            return "aborted"
+
+    async def run() -> list[str]:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    outcomes = asyncio.run(run())
+    assert outcomes.count("done") >= 100 and "aborted" in outcomes
+    wait_for_zero_pages([deployment["prefill"].url, deployment["decode"].url])
+
+
+def test_prefill_killed_mid_transfer_every_request_still_completes(deployment: dict[str, Any]) -> None:
+    """SIGKILL the prefill server while requests are in flight: the decode server recomputes what did
+    not arrive, every answer equals the mixed server's, and no page leaks. Then, with no prefill server
+    healthy, the router sends requests to the decode server alone."""
+    root, mixed, decode = deployment["root"], deployment["mixed"], deployment["decode"]
+    doomed = serve(deployment["model"], root / "doomed.log", "--role", "prefill")
+    router = None
+    doomed.start()
+    try:
+        doomed.wait_ready(timeout_s=900)
+        router = Router([doomed.url], [decode.url], root / "router-doomed.log")
+        try:
+            bodies = [
+                {"prompt": f"{i} long prompt for the doomed prefill " * 25, "max_tokens": 6, "temperature": 0}
+                for i in range(12)
+            ]
+            failures_before = metric(decode.url, "hearth_kv_transfer_failures_total")
+
+            async def run() -> list[httpx.Response]:
+                async with httpx.AsyncClient(timeout=120) as client:
+                    tasks = [
+                        asyncio.create_task(client.post(router.url + "/v1/completions", json=b))
+                        for b in bodies
+                    ]
+                    await asyncio.sleep(0.4)
+                    assert doomed.process is not None
+                    doomed.process.send_signal(signal.SIGKILL)
+                    return await asyncio.gather(*tasks)
+
+            answers = asyncio.run(run())
+            for body, answer in zip(bodies, answers, strict=True):
+                assert answer.status_code == 200, answer.text
+                want = post(mixed.url, "/v1/completions", body)
+                assert answer.json()["choices"][0]["text"] == want["choices"][0]["text"]
+            assert metric(decode.url, "hearth_kv_transfer_failures_total") > failures_before
+            assert metric(decode.url, "hearth_kv_recomputed_tokens_total") > 0
+            wait_for_zero_pages([decode.url])
+            # The router has noticed: PD without a prefill server means the decode server alone.
+            deadline = time.monotonic() + 10
+            while (
+                httpx.get(router.url + "/health").json()["healthy_workers"] == 2
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0.1)
+            body = {"prompt": "after the prefill server died " * 5, "max_tokens": 6, "temperature": 0}
+            alone = post(router.url, "/v1/completions", body)
+            assert (
+                alone["choices"][0]["text"] == post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+            )
+        finally:
+            router.stop()
+    finally:
+        doomed.stop()
+
+
+def test_a_wrong_secret_is_refused_and_the_decode_server_recomputes(deployment: dict[str, Any]) -> None:
+    root, decode = deployment["root"], deployment["decode"]
+    impostor = ServerProcess(
+        ["--model", str(deployment["model"]), *COMMON, "--role", "prefill", "--kv-transfer-secret", "not-it"],
+        root / "impostor.log",
+    )
+    impostor.start()
+    try:
+        impostor.wait_ready(timeout_s=900)
+        refused_before = metric(decode.url, "hearth_kv_transfer_failures_total")
+        router = Router([impostor.url], [decode.url], root / "router-impostor.log")
+        try:
+            answer = post(router.url, "/v1/completions", {"prompt": "secret test " * 20, "max_tokens": 4})
+            assert answer["usage"]["completion_tokens"] == 4
+        finally:
+            router.stop()
+    finally:
+        impostor.stop()
+    assert metric(decode.url, "hearth_kv_transfer_failures_total") == refused_before + 1
+    # Refused at the handshake (so the decode request recomputed at once), not left to its timeout.
+    assert "did not present this deployment's KV transfer secret" in decode.log()
+    assert "did not prove it holds this deployment's secret" in impostor.log()
+
+
+def test_waiting_for_kv_does_not_spin_and_a_missing_transfer_is_recomputed(
+    deployment: dict[str, Any],
+) -> None:
+    """A decode request whose prefill never comes: the engine core sleeps while it waits (no busy
+    loop), then the request computes its prompt itself when the 4 s transfer timeout passes."""
+    import psutil
+
+    decode, mixed = deployment["decode"], deployment["mixed"]
+    assert decode.process is not None
+    (core,) = psutil.Process(decode.process.pid).children()
+    body = {"prompt": "nobody sends this prompt's KV " * 8, "max_tokens": 4, "temperature": 0}
+    recomputed_before = metric(decode.url, "hearth_kv_recomputed_tokens_total")
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        result["answer"] = post(
+            decode.url, "/v1/completions", {**body, "kv_transfer": {"role": "decode", "transfer_id": "never"}}
+        )
+
+    import threading
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(1.0)  # admitted and waiting by now
+    cpu_before = sum(core.cpu_times()[:2])
+    time.sleep(2.0)
+    cpu_used_s = sum(core.cpu_times()[:2]) - cpu_before
+    sender.join(60)
+    assert cpu_used_s < 0.5, (
+        f"the engine core used {cpu_used_s:.2f} s of CPU in 2 s while only waiting for KV"
+    )
+    assert (
+        result["answer"]["choices"][0]["text"]
+        == post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+    )
+    assert metric(decode.url, "hearth_kv_recomputed_tokens_total") > recomputed_before
