@@ -218,6 +218,7 @@ class Engine:
             cached_tokens_total=self._totals["cached"],
             generation_tokens_total=self._totals["generated"],
             num_preemptions_total=self._totals["preempted"],
+            kv_tokens_total=self.num_kv_tokens,
         )
 
 

@@ -59,7 +59,7 @@ def build_engine(config: EngineConfig) -> Engine:
         num_kv_tokens=num_kv_tokens,
     )
     logger.info(
-        "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
+        "KV cache on %s: %d pages x %d tokens = %d tokens held (%.2f GiB, %s); max model len %d; ready in %.1f s",
         worker.device,
         num_pages,
         config.page_size,

@@ -70,6 +70,7 @@ class EngineStats(msgspec.Struct):
     cached_tokens_total: int
     generation_tokens_total: int
     num_preemptions_total: int
+    kv_tokens_total: int = 0  # tokens the KV cache holds (pages x page size): doubles with FP8 KV
 
 
 class ShutdownCore(msgspec.Struct, tag=True):

@@ -24,6 +24,7 @@ from hearth.engine.outputs import TokenLogprob
 from hearth.engine.sampler import Sampler, SamplingRow, make_generator
 from hearth.engine.step_input import StepInput, StepSamplingRow
 from hearth.engine.structured_output import apply_bitmask
+from hearth.kv.fp8_scales import init_fp8_kv_scales
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
 from hearth.model.config import ModelConfig
 from hearth.model.loader import load_model
@@ -92,6 +93,9 @@ class Worker:
             device=self.device,
         )
         self.kv_pool = KVPool(layout, num_pages, self.device)
+        if self.kv_pool.quantized:
+            source = init_fp8_kv_scales(self.kv_pool, self.model, config.model, max_model_len)
+            logger.info("FP8 KV cache: per (layer, KV head) scales from %s", source)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
         max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
         backend_cls = select_backend(self.device)

@@ -18,7 +18,8 @@ from hearth.model.quantization.unquantized import UnquantizedLinearMethod
 from hearth.model.rotary import apply_rotary
 from hearth.model.weights import ShardId, TPRank, WeightShapeError, divide, set_weight_attrs
 from hearth.ops.attention import AttentionContext
-from hearth.ops.cpu_kernels import rms_norm_kernel, rotary_write_kv_kernel
+from hearth.kv.fp8 import is_fp8
+from hearth.ops.cpu_kernels import rms_norm_kernel, rotary_write_kv_fp8_kernel, rotary_write_kv_kernel
 from hearth.ops.linear import LinearWeights
 
 ACTIVATIONS = {
@@ -307,14 +308,19 @@ class Attention(nn.Module):
         """Rotated queries `[tokens, heads, head_dim]` and keys, and the values. On CPU in float32 the
         fused kernel writes keys and values to their pool slots itself and returns (q, None, None)."""
         k_pool, v_pool = kv
-        fused = rotary_write_kv_kernel() if self.q_norm is None else None
         if (
-            fused is not None
+            self.q_norm is None
             and qkv.device.type == "cpu"
             and qkv.is_contiguous()
-            and k_pool.dtype == qkv.dtype == torch.float32
+            and qkv.dtype == torch.float32
         ):
-            return fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, ctx.metadata.slot_mapping), None, None
+            slots = ctx.metadata.slot_mapping
+            if k_pool.dtype == torch.float32 and (fused := rotary_write_kv_kernel()) is not None:
+                return fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, slots), None, None
+            if is_fp8(k_pool.dtype) and (fused := rotary_write_kv_fp8_kernel()) is not None:
+                scales = ctx.kv_pool.kv_scales(self.layer_index)
+                assert scales is not None
+                return fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, slots, *scales), None, None
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hearth.kv.fp8_scales import kv_scale_target
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.decoder import CausalLM
 from hearth.model.layers import LayerOptions
@@ -108,6 +109,8 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False)
     files = checkpoint_files(Path(model_dir))
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[str, ShardId | None]] = set()
+    # FP8 KV-cache scales are not parameters: set aside for the KV pool (`hearth.kv.fp8_scales`).
+    model.checkpoint_kv_scales = {}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -117,6 +120,10 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False)
         for path in files:
             with safe_open(str(path), framework="pt") as reader:
                 for name in reader.keys():
+                    scale_target = kv_scale_target(name)
+                    if scale_target is not None:
+                        model.checkpoint_kv_scales[scale_target] = reader.get_tensor(name)
+                        continue
                     target = model.checkpoint_target(name)
                     if target is None:
                         continue
