@@ -10,6 +10,9 @@ from typing import Any
 
 from hearth.kv.dtypes import KV_CACHE_DTYPE_CHOICES, check_kv_cache_dtype
 
+# Torch-free, like the KV dtype names: `hearth.model.quantization.select` checks them against the checkpoint.
+QUANTIZATION_CHOICES = ("auto", "none", "int4", "gptq", "awq", "compressed-tensors", "fp8")
+
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
@@ -30,6 +33,7 @@ class EngineConfig:
     load_progress: bool = False
     device: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -37,6 +41,10 @@ class EngineConfig:
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}"
+            )
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
         if self.page_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -101,6 +109,13 @@ class EngineConfig:
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
         group.add_argument(
             "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)"
+        )
+        group.add_argument(
+            "--quantization",
+            default="auto",
+            choices=QUANTIZATION_CHOICES,
+            help="weights: auto = as the checkpoint's quantization_config says (GPTQ/AWQ/compressed-tensors INT4, "
+            "FP8 blocks), else dense; int4 = round-to-nearest INT4 per group at load time",
         )
 
     @classmethod

@@ -28,6 +28,7 @@ from hearth.kv.fp8_scales import init_fp8_kv_scales
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
 from hearth.model.config import ModelConfig
 from hearth.model.loader import load_model
+from hearth.model.quantization.select import resolve_quantization
 from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
 
@@ -84,6 +85,7 @@ class Worker:
         self.dtype = dtype
         if self.device.type == "cpu":
             torch.set_num_threads(config.resolved_num_threads)
+        quantization, quant_config = resolve_quantization(config.quantization, config.model)
         self.model = load_model(
             config.model,
             model_config,
@@ -91,6 +93,8 @@ class Worker:
             max_model_len + 1,
             progress=config.load_progress,
             device=self.device,
+            quantization=quantization,
+            quant_config=quant_config,
         )
         self.kv_pool = KVPool(layout, num_pages, self.device)
         if self.kv_pool.quantized:
@@ -116,7 +120,11 @@ class Worker:
             # readiness; the torch paths serve until they are there.
             cpu_kernels.start_build()
         logger.info(
-            "worker on %s: attention backend %s, KV %s", self.device, self.attention.name, layout.describe()
+            "worker on %s: attention backend %s, KV %s, weights %s",
+            self.device,
+            self.attention.name,
+            layout.describe(),
+            quantization,
         )
 
     @torch.inference_mode()

@@ -106,20 +106,23 @@ class Linear(nn.Module):
             )
         output_dim: int | None = getattr(param, "output_dim", None)
         input_dim: int | None = getattr(param, "input_dim", None)
+        # Packed or grouped dims (INT4 nibbles per int32, one scale per group) hold 1/pack of the features.
+        out_pack: int = getattr(param, "output_pack", 1)
+        in_pack: int = getattr(param, "input_pack", 1)
         expected = list(param.shape)
         if output_dim is not None:
-            expected[output_dim] = shard.full_size
+            expected[output_dim] = shard.full_size // out_pack
         if input_dim is not None:
-            expected[input_dim] = self.input_size
+            expected[input_dim] = self.input_size // in_pack
         if tuple(loaded_weight.shape) != tuple(expected):
             raise WeightShapeError(loaded_weight.shape, tuple(expected))
         target = param.data
         if output_dim is not None:
-            target = target.narrow(output_dim, shard.local_offset, shard.size)
-            loaded_weight = loaded_weight.narrow(output_dim, shard.source_start, shard.size)
+            target = target.narrow(output_dim, shard.local_offset // out_pack, shard.size // out_pack)
+            loaded_weight = loaded_weight.narrow(output_dim, shard.source_start // out_pack, shard.size // out_pack)
         if input_dim is not None:
             start, size = self.input_shard
-            loaded_weight = loaded_weight.narrow(input_dim, start, size)
+            loaded_weight = loaded_weight.narrow(input_dim, start // in_pack, size // in_pack)
         target.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,6 +55,7 @@ def load_model(
     device: torch.device | str = "cpu",
     *,
     quantization: str = "unquantized",
+    quant_config: dict[str, Any] | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
 ) -> CausalLM:
@@ -68,6 +70,7 @@ def load_model(
         max_positions,
         device=device,
         quantization=quantization,
+        quant_config=quant_config,
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
@@ -84,11 +87,12 @@ def build_model(
     *,
     device: torch.device | str = "cpu",
     quantization: str = "unquantized",
+    quant_config: dict[str, Any] | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
 ) -> CausalLM:
     """The registered class of `config.architecture`, its parameters allocated (not initialised) on `device`."""
-    options = LayerOptions(tp=TPRank(tp_rank, tp_size), quant_method=get_quantization_method(quantization))
+    options = LayerOptions(tp=TPRank(tp_rank, tp_size), quant_method=get_quantization_method(quantization, quant_config))
     model_class = get_model_class(config.architecture)
     # Parameters are created in `dtype` on the meta device: no initialisation, no float32 copy to cast.
     with torch.device("meta"), _default_dtype(dtype):

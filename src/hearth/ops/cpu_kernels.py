@@ -36,6 +36,7 @@ _SOURCES = [
         "bf16_skinny_linear.cpp",
         "rms_norm.cpp",
         "rotary_write_kv.cpp",
+        "int4_skinny_linear.cpp",
     )
 ]
 # Vectorized float reductions need reassociation; finite-math is not assumed (masks use -inf).
@@ -58,6 +59,7 @@ _rms_norm: Callable[..., object] | None = None
 _rotary_write_kv: Callable[..., object] | None = None
 _paged_decode_attention_fp8: Callable[..., object] | None = None
 _rotary_write_kv_fp8: Callable[..., object] | None = None
+_int4_skinny_linear: Callable[..., object] | None = None
 _build_thread: threading.Thread | None = None
 
 
@@ -120,6 +122,7 @@ load(name=sys.argv[1], sources=sys.argv[3:], extra_cflags=ast.literal_eval(sys.a
 
 def _build() -> None:
     global _kernel, _skinny_linear, _rms_norm, _rotary_write_kv, _paged_decode_attention_fp8, _rotary_write_kv_fp8
+    global _int4_skinny_linear
     try:
         from torch.utils.cpp_extension import load
 
@@ -142,6 +145,7 @@ def _build() -> None:
     _rotary_write_kv = module.rotary_write_kv
     _paged_decode_attention_fp8 = module.paged_decode_attention_fp8
     _rotary_write_kv_fp8 = module.rotary_write_kv_fp8
+    _int4_skinny_linear = module.int4_skinny_linear
     logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm, rotary + KV write)")
 
 
@@ -192,3 +196,8 @@ def rotary_write_kv_fp8_kernel() -> Callable[..., object] | None:
     """`rotary_write_kv_fp8(qkv, cos, sin, heads, k_pool, v_pool, slot_mapping, k_scale, v_scale) -> q` once
     built; else None."""
     return _rotary_write_kv_fp8
+
+
+def int4_skinny_linear_kernel() -> Callable[..., object] | None:
+    """`int4_skinny_linear(x, packed, scales, zero_scaled, group_size, bias=None)` once built; else None."""
+    return _int4_skinny_linear
