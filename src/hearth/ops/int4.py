@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hearth.ops.cpu_kernels import int4_skinny_linear_kernel
 
 INT4_MAX_ROWS = 16
-BLOCK = 32  # weights per packed block (the kernel's unit)
+BLOCK = 64  # weights per packed block (the kernel's unit)
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Int4Weights:
     zero_scaled: torch.Tensor  # float32 [out, groups]: zero point x scale
     group_size: int
     perm: torch.Tensor | None = None  # long [in]: activation features in packed column order (act-order)
+    kernel_ok: bool = True  # the layout the kernel reads (else: dequantize per call)
 
     @property
     def nbytes(self) -> int:
@@ -37,19 +38,23 @@ class Int4Weights:
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """`q` uint8 `[out, in]` (values 0..15, `in` a multiple of 32) -> `[out, in / 2]`: per block of 32, byte b
-    holds weight b (low nibble) and weight b + 16 (high nibble)."""
+    """`q` uint8 `[out, in]` (values 0..15, `in` a multiple of 64) -> uint8 `[out, in / 2]`: per block of 64
+    weights, 8 little-endian uint32 lanes whose nibble j in lane l is weight 8j + l (the kernel's layout)."""
     out, k = q.shape
     if k % BLOCK:
         raise ValueError(f"pack_int4: {k} input features is not a multiple of {BLOCK}")
-    blocks = q.to(torch.uint8).view(out, k // BLOCK, 2, BLOCK // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, k // 2).contiguous()
+    nibbles = q.to(torch.int64).view(out, k // BLOCK, 8, 8)  # [.., j, l]
+    shifts = (4 * torch.arange(8, dtype=torch.int64)).view(1, 1, 8, 1)
+    lanes = (nibbles << shifts).sum(dim=2)  # [out, blocks, 8 lanes]
+    lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)
+    return lanes.contiguous().view(torch.uint8).view(out, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     out, half = packed.shape
-    blocks = packed.view(out, half // (BLOCK // 2), BLOCK // 2)
-    return torch.stack([blocks & 0x0F, blocks >> 4], dim=2).reshape(out, half * 2)
+    lanes = packed.contiguous().view(torch.int32).view(out, half // 32, 1, 8)
+    shifts = (4 * torch.arange(8, dtype=torch.int32)).view(1, 1, 8, 1)
+    return ((lanes >> shifts) & 0x0F).to(torch.uint8).reshape(out, half * 2)
 
 
 def make_int4_weights(
@@ -96,7 +101,7 @@ def dequantize_int4(weights: Int4Weights) -> torch.Tensor:
 
 def int4_linear(x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.shape[0]
-    if rows <= INT4_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
+    if rows <= INT4_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and weights.kernel_ok:
         kernel = int4_skinny_linear_kernel()
         if kernel is not None:
             xs = x if weights.perm is None else x.index_select(1, weights.perm)

@@ -39,10 +39,11 @@ def add_param(
 
 
 def check_divisible(layer: Linear, input_size: int, output_size: int, group_size: int) -> None:
-    if input_size % group_size or output_size % PACK or group_size % 32:
+    if input_size % group_size or input_size % 64 or output_size % PACK or group_size % 32:
         raise ModelLoadError(
             f"INT4: a {output_size}x{input_size} layer does not fit group size {group_size} "
-            "(input features must be a multiple of the group size, itself a multiple of 32; outputs of 8)"
+            "(input features must be a multiple of 64 and of the group size, itself a multiple of 32; "
+            "outputs of 8)"
         )
 
 
@@ -110,7 +111,7 @@ def load_g_idx(layer: Linear, param: nn.Parameter, loaded: torch.Tensor, shard_i
 @register_quantization_method("int4")
 class RTNInt4Method(Int4LinearMethod):
     """`--quantization int4`: the checkpoint's dense weights, rounded to nearest per group of 128 input
-    features (64 or 32 where 128 does not divide them), asymmetric (a zero point per group)."""
+    features (64 where 128 does not divide them), asymmetric (a zero point per group)."""
 
     def create_weights(
         self, layer: Linear, input_size: int, output_size: int, params_dtype: torch.dtype
@@ -122,9 +123,9 @@ class RTNInt4Method(Int4LinearMethod):
 
     def unpack(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         weight = layer.weight.data
-        group_size = next((g for g in (128, 64, 32) if weight.shape[1] % g == 0), None)
+        group_size = next((g for g in (128, 64) if weight.shape[1] % g == 0), None)
         if group_size is None:
-            raise ModelLoadError(f"--quantization int4: {weight.shape[1]} input features is not a multiple of 32")
+            raise ModelLoadError(f"--quantization int4: {weight.shape[1]} input features is not a multiple of 64")
         q, scales, zeros = quantize_rtn(weight, group_size)
         layer.int4_group_size = group_size
         return q, scales, zeros, None
@@ -133,3 +134,11 @@ class RTNInt4Method(Int4LinearMethod):
         q, scales, zeros, _ = self.unpack(layer)
         layer.int4 = make_int4_weights(q, scales, zeros, layer.int4_group_size)
         del layer.weight
+
+    def quantize_lm_head(self, weight: torch.Tensor) -> Int4Weights | None:
+        """The LM head too (its dense weight stays: it may be the embedding); None where it does not fit."""
+        group_size = next((g for g in (128, 64) if weight.shape[1] % g == 0), None)
+        if group_size is None or weight.device.type != "cpu":
+            return None
+        q, scales, zeros = quantize_rtn(weight.detach(), group_size)
+        return make_int4_weights(q, scales, zeros, group_size)

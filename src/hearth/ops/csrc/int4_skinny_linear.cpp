@@ -7,9 +7,10 @@
 //   sum_i x_i * (q_i - z) * s  =  s * sum_i x_i q_i  -  (z s) * sum_i x_i
 // so the inner loop is a plain dot with the unsigned nibbles, and the zero term uses the rows' group sums.
 //
-// Packed layout (`hearth.ops.int4.pack_int4`): per output row, blocks of 32 weights in 16 bytes; byte b of a
-// block holds weight b in its low nibble and weight b + 16 in its high nibble, so one AND and one shift
-// give two runs of 16 consecutive weights.
+// Packed layout (`hearth.ops.int4.pack_int4`): per output row, blocks of 64 weights in 8 little-endian
+// uint32 lanes; nibble j of lane l is weight 8j + l. A shift and an AND per nibble give 8 consecutive weights
+// in the 8 lanes of a vector, with no byte shuffles (the shuffle port is what limits a nibble unpack).
+// Weights 0..31 of a block are nibbles 0..3, weights 32..63 nibbles 4..7: groups of 32 stay addressable.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -24,8 +25,9 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // weights per packed block
-constexpr int kMaxRows = 4;     // rows sharing each unpacked weight block (4 x 4 accumulators + 4 weights)
+constexpr int64_t kBlock = 64;  // weights per packed block (32 bytes)
+constexpr int64_t kHalf = 32;   // the unit groups are made of
+constexpr int kMaxRows = 8;     // rows sharing each unpacked weight block (within 16 vector registers)
 
 #ifdef __AVX2__
 inline float hsum(__m256 v) {
@@ -36,7 +38,8 @@ inline float hsum(__m256 v) {
 }
 
 // Rows [0, M) of x (stride x_stride) against one output row's packed weights: y[m] for each m.
-template <int M>
+// A accumulators per row: two hide the FMA latency for few rows; eight rows need their registers for one each.
+template <int M, int A>
 void out_row(const float* x, int64_t x_stride, const uint8_t* w, const float* scales, const float* zero_scaled,
              const float* xsum, int64_t groups, int64_t k, int64_t group_size, float* y, int64_t y_stride,
              float bias) {
@@ -46,31 +49,31 @@ void out_row(const float* x, int64_t x_stride, const uint8_t* w, const float* sc
     total[m] = _mm256_setzero_ps();
     zero_term[m] = 0.f;
   }
-  const __m128i low_mask = _mm_set1_epi8(0x0f);
-  const int64_t blocks_per_group = group_size / kBlock;
+  const __m256i low_mask = _mm256_set1_epi32(0x0f);
+  const int64_t halves_per_group = group_size / kHalf;
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks_per_group; ++b) {
-      const int64_t i = (g * blocks_per_group + b) * kBlock;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i / 2));
-      const __m128i lo = _mm_and_si128(bytes, low_mask);                     // weights i .. i+15
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);  // weights i+16 .. i+31
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    __m256 acc[M][A];
+    for (int m = 0; m < M; ++m)
+      for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
+    for (int64_t h = g * halves_per_group; h < (g + 1) * halves_per_group; ++h) {
+      const int64_t i = h * kHalf;
+      __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (h / 2) * 32));
+      if (h & 1) lanes = _mm256_srli_epi32(lanes, 16);  // nibbles 4..7: weights 32..63 of the block
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, low_mask));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, 4), low_mask));
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, 8), low_mask));
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, 12), low_mask));
       for (int m = 0; m < M; ++m) {
         const float* xm = x + m * x_stride + i;
         acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), acc[m][1]);
+        acc[m][1 % A] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), acc[m][1 % A]);
         acc[m][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), acc[m][1]);
+        acc[m][1 % A] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), acc[m][1 % A]);
       }
     }
     const __m256 s = _mm256_set1_ps(scales[g]);
     for (int m = 0; m < M; ++m) {
-      total[m] = _mm256_fmadd_ps(s, _mm256_add_ps(acc[m][0], acc[m][1]), total[m]);
+      total[m] = _mm256_fmadd_ps(s, A == 2 ? _mm256_add_ps(acc[m][0], acc[m][A - 1]) : acc[m][0], total[m]);
       zero_term[m] += zero_scaled[g] * xsum[m * groups + g];
     }
   }
@@ -86,9 +89,10 @@ void out_row_scalar(const float* x, int64_t x_stride, int64_t rows, const uint8_
     for (int64_t g = 0; g < groups; ++g) {
       float dot = 0.f;
       for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
-        const int64_t block = i / kBlock, j = i % kBlock;
-        const uint8_t byte = w[block * (kBlock / 2) + (j % 16)];
-        const float q = static_cast<float>(j < 16 ? (byte & 0x0f) : (byte >> 4));
+        const int64_t block = i / kBlock, r = i % kBlock;
+        const uint8_t* lane = w + block * 32 + (r % 8) * 4;  // little-endian uint32 lane r % 8
+        const uint32_t bits = lane[0] | (lane[1] << 8) | (lane[2] << 16) | (static_cast<uint32_t>(lane[3]) << 24);
+        const float q = static_cast<float>((bits >> (4 * (r / 8))) & 0x0f);
         dot += q * x[m * x_stride + i];
       }
       total += scales[g] * dot - zero_scaled[g] * xsum[m * groups + g];
@@ -109,7 +113,8 @@ at::Tensor int4_skinny_linear(at::Tensor x,            // [rows, in] float32, un
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) * 2 == k,
               "int4_skinny_linear: packed must be a contiguous [out, in / 2] uint8 tensor");
-  TORCH_CHECK(group_size % kBlock == 0 && k % group_size == 0, "int4_skinny_linear: group size must divide in and be a multiple of 32");
+  TORCH_CHECK(group_size % kHalf == 0 && k % group_size == 0 && k % kBlock == 0,
+              "int4_skinny_linear: in must be a multiple of 64 and of the group size, itself a multiple of 32");
   const int64_t groups = k / group_size;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && zero_scaled.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   zero_scaled.is_contiguous() && scales.size(0) == n && scales.size(1) == groups &&
@@ -149,10 +154,14 @@ at::Tensor int4_skinny_linear(at::Tensor x,            // [rows, in] float32, un
         float* yb = y_ptr + m0 * n + o;
 #ifdef __AVX2__
         switch (std::min<int64_t>(m - m0, kMaxRows)) {
-          case 1: out_row<1>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
-          case 2: out_row<2>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
-          case 3: out_row<3>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
-          default: out_row<4>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
+          case 1: out_row<1, 2>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
+          case 2: out_row<2, 2>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
+          case 3: out_row<3, 2>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
+          case 4: out_row<4, 2>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
+          case 5: out_row<5, 1>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
+          case 6: out_row<6, 1>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
+          case 7: out_row<7, 1>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
+          default: out_row<8, 1>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
         }
 #else
         out_row_scalar(xb, x_stride, std::min<int64_t>(m - m0, kMaxRows), w, s, z, xs, groups, group_size, yb, n, b);
