@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "offline"): ("hearth.bench.offline", "offline engine throughput on random prompts"),
     ("bench", "serve"): ("hearth.bench.serve_cli", "load-test an OpenAI-compatible endpoint"),
     ("bench", "compare"): ("hearth.bench.compare", "print ratios between two bench result files"),
+    ("eval",): ("hearth.eval.cli", "quality of precision configurations against a reference"),
 }
 
 
