@@ -42,7 +42,9 @@ def parallel_state() -> ParallelState:
     return _STATE
 
 
-def set_parallel_state(state: ParallelState, tp_group: object | None = None, ep_group: object | None = None) -> None:
+def set_parallel_state(
+    state: ParallelState, tp_group: object | None = None, ep_group: object | None = None
+) -> None:
     """Install this process's place and groups (torch.distributed process groups); called once per rank."""
     global _STATE, _TP_GROUP, _EP_GROUP
     _STATE, _TP_GROUP, _EP_GROUP = state, tp_group, ep_group

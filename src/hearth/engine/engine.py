@@ -13,6 +13,7 @@ from itertools import count
 import torch
 
 from hearth.engine.config import EngineConfig
+from hearth.engine.kv_connector import KVConnector, KVLoadCoordinator
 from hearth.engine.messages import CoreOutput, EngineRequest, EngineStats
 from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.request import Request
@@ -43,6 +44,7 @@ class Engine:
         kv_layout_tag: str,
         max_model_len: int,
         num_kv_tokens: int,
+        kv_connectors: list[KVConnector] | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -51,6 +53,7 @@ class Engine:
         self.scheduler = scheduler
         self.worker = worker
         self.step_inputs = StepInputBuilder(config.page_size)
+        self.kv_loads = KVLoadCoordinator(scheduler, kv_connectors or [], config.page_size)
         self.structured = structured
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -116,10 +119,12 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[CoreOutput]:
+        self.kv_loads.poll()  # requests whose KV arrived from elsewhere become runnable
         scheduled = self.scheduler.schedule()
         self._totals["preempted"] += len(scheduled.preempted)
         for load in scheduled.kv_loads:  # pages whose KV arrives from elsewhere get their tags too
             self.step_inputs.pages_allocated(load.page_ids, load.page_generations)
+        self.kv_loads.start(scheduled.kv_loads)
         if not scheduled.scheduled:
             return []
         step_output = self.worker.execute(self.step_inputs.build(scheduled.scheduled, self.structured))
@@ -198,6 +203,7 @@ class Engine:
         )
         request.finish_reason = finish_reason
         request.grammar = None
+        self.kv_loads.request_finished(request)  # before its pages are freed
         self.scheduler.finish(request)
         self.step_inputs.request_finished(request.request_id)  # the worker drops its state for it
         del self._requests[request.request_id]

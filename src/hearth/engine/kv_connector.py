@@ -1,0 +1,191 @@
+"""KV from elsewhere: connectors that fill `WAITING_FOR_KV` requests' pages, and the coordinator that runs them.
+
+The scheduler parks a request whose prompt KV can come from elsewhere and lists a `KVLoad`: the
+leading `num_tier_tokens` from a lower cache tier (by page key), the rest from a peer (the prefill
+server of PD). The coordinator splits each load into those two parts, hands each to the connector of
+its source, polls them every engine step, and, once both parts of a load have answered, tells the
+scheduler how many leading tokens arrived (`kv_arrived`); whatever did not arrive is recomputed, so a
+failed or slow source costs time, never an error.
+
+Connector contract:
+- `start_load(part)` begins filling `part.page_ids` and returns at once (it must not block the step).
+- `poll()` returns the parts that finished since the last call, each with how many leading tokens of
+  the part are in place (0 = failed). Every started part is answered exactly once, unless cancelled.
+- `cancel(request_id)`: the request ended (finished or aborted; unknown ids are ignored); when it
+  returns, no write for that request may land in the pool any more (its pages are about to be
+  freed and reused).
+- `request_finished(request)` runs when a request ends, before its pages are freed: a place for a
+  tier's write-back or a PD prefill server's send (the pages' KV is intact during the call).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hearth.engine.request import Request
+from hearth.engine.scheduler import KVLoad, Scheduler
+
+KVSource = Literal["tier", "peer"]
+
+
+@dataclass
+class KVLoadPart:
+    """Tokens [start_token, start_token + num_tokens) of a request, into `page_ids` (request page
+    `start_token // page_size + i` is `page_ids[i]`, with tag `page_generations[i]`); `keys` name the
+    pages of a tier part (empty for a peer part)."""
+
+    request: Request
+    source: KVSource
+    start_token: int
+    num_tokens: int
+    page_ids: list[int]
+    page_generations: list[int]
+    keys: list[bytes] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(frozen=True)
+class KVLoadResult:
+    request_id: str
+    source: KVSource
+    num_tokens: int  # leading tokens of the part whose KV is in place; 0 = the load failed
+
+
+class KVConnector(ABC):
+    """One source of KV (a tier stack, a PD transport); see the module docstring for the contract."""
+
+    source: KVSource
+
+    @abstractmethod
+    def start_load(self, part: KVLoadPart) -> None: ...
+
+    @abstractmethod
+    def poll(self) -> list[KVLoadResult]: ...
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> None: ...
+
+    def request_finished(self, request: Request) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+@dataclass
+class _Pending:
+    load: KVLoad
+    tier_tokens: int | None  # None: not answered yet
+    peer_tokens: int | None
+
+
+class KVLoadCoordinator:
+    """Runs the connectors for the engine: start loads, collect answers, make requests runnable."""
+
+    def __init__(self, scheduler: Scheduler, connectors: list[KVConnector], page_size: int) -> None:
+        self.scheduler = scheduler
+        self.page_size = page_size
+        self.connectors: dict[KVSource, KVConnector] = {}
+        for connector in connectors:
+            if connector.source in self.connectors:
+                raise ValueError(f"two KV connectors for the source {connector.source!r}")
+            self.connectors[connector.source] = connector
+        self._pending: dict[str, _Pending] = {}
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def start(self, loads: list[KVLoad]) -> None:
+        for load in loads:
+            num_tier = load.num_tier_tokens
+            num_peer = load.num_tokens - num_tier
+            pending = _Pending(load, None if num_tier else 0, None if num_peer else 0)
+            self._pending[load.request.request_id] = pending
+            tier_pages = num_tier // self.page_size  # tier tokens are whole pages from start_token
+            if num_tier:
+                self._start(
+                    pending,
+                    KVLoadPart(
+                        load.request,
+                        "tier",
+                        load.start_token,
+                        num_tier,
+                        load.page_ids[:tier_pages],
+                        load.page_generations[:tier_pages],
+                        list(load.keys),
+                    ),
+                )
+            if num_peer:
+                self._start(
+                    pending,
+                    KVLoadPart(
+                        load.request,
+                        "peer",
+                        load.start_token + num_tier,
+                        num_peer,
+                        load.page_ids[tier_pages:],
+                        load.page_generations[tier_pages:],
+                    ),
+                )
+            self._maybe_complete(load.request.request_id)
+
+    def _start(self, pending: _Pending, part: KVLoadPart) -> None:
+        connector = self.connectors.get(part.source)
+        if connector is None:  # nobody can serve it: recompute those tokens
+            self._record(pending, part.source, 0)
+            return
+        connector.start_load(part)
+
+    def poll(self) -> None:
+        """Collect finished parts; requests whose loads are complete become runnable."""
+        for connector in self.connectors.values():
+            for result in connector.poll():
+                pending = self._pending.get(result.request_id)
+                if pending is None:
+                    continue  # cancelled meanwhile
+                self._record(pending, result.source, result.num_tokens)
+                self._maybe_complete(result.request_id)
+
+    @staticmethod
+    def _record(pending: _Pending, source: KVSource, num_tokens: int) -> None:
+        if source == "tier":
+            pending.tier_tokens = num_tokens
+        else:
+            pending.peer_tokens = num_tokens
+
+    def _maybe_complete(self, request_id: str) -> None:
+        pending = self._pending[request_id]
+        if pending.tier_tokens is None or pending.peer_tokens is None:
+            return
+        del self._pending[request_id]
+        load = pending.load
+        num_tier = load.num_tier_tokens
+        tier_tokens = min(pending.tier_tokens, num_tier)
+        # KV must be contiguous: a peer's pages after a gap in the tier's are of no use.
+        arrived = (
+            tier_tokens
+            if tier_tokens < num_tier
+            else num_tier + min(pending.peer_tokens, load.num_tokens - num_tier)
+        )
+        if arrived == 0:
+            self.scheduler.kv_failed(load.request)
+        else:
+            self.scheduler.kv_arrived(load.request, arrived)
+
+    def request_finished(self, request: Request) -> None:
+        """Before a request's pages are freed: stop its loads, then let connectors see its KV."""
+        if self._pending.pop(request.request_id, None) is not None:
+            for connector in self.connectors.values():
+                connector.cancel(request.request_id)
+        for connector in self.connectors.values():
+            connector.request_finished(request)
+
+    def close(self) -> None:
+        for connector in self.connectors.values():
+            connector.close()
