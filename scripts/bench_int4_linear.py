@@ -46,8 +46,8 @@ def main() -> None:
             repeats = max(3, int(2e7 / (out * k)))
             bf16_s, int4_s = [], []
             for _ in range(args.rounds):
-                bf16_s.append(timed(lambda: linear(x, dense, None), repeats))
-                int4_s.append(timed(lambda: int4_linear(x, int4, None), repeats))
+                bf16_s.append(timed(lambda x=x, dense=dense: linear(x, dense, None), repeats))
+                int4_s.append(timed(lambda x=x, int4=int4: int4_linear(x, int4, None), repeats))
             b, i = min(bf16_s) * 1e6, min(int4_s) * 1e6
             print(f"| {shape} | {rows} | {b:.0f} | {i:.0f} | {b / i:.2f}x |")
 

@@ -32,8 +32,13 @@ def main() -> None:
     args = parser.parse_args()
     cpu_kernels.paged_decode_attention_kernel(wait=True)
     llms = {
-        dtype: LLM(args.model, kv_cache_dtype=dtype, kv_cache_memory_gib=args.kv_cache_memory,
-                   max_num_seqs=args.num_prompts, enable_prefix_caching=False)
+        dtype: LLM(
+            args.model,
+            kv_cache_dtype=dtype,
+            kv_cache_memory_gib=args.kv_cache_memory,
+            max_num_seqs=args.num_prompts,
+            enable_prefix_caching=False,
+        )
         for dtype in args.dtypes
     }
     rng = random.Random(0)
@@ -50,12 +55,17 @@ def main() -> None:
             best[dtype] = max(best.get(dtype, 0.0), tokens / elapsed)
     base = args.dtypes[0]
     report = {
-        dtype: {"kv_tokens": llm.engine.num_kv_tokens, "output_tokens_per_s": best[dtype],
-                "ratio": best[dtype] / best[base]}
+        dtype: {
+            "kv_tokens": llm.engine.num_kv_tokens,
+            "output_tokens_per_s": best[dtype],
+            "ratio": best[dtype] / best[base],
+        }
         for dtype, llm in llms.items()
     }
     for dtype, row in report.items():
-        print(f"{dtype}: {row['kv_tokens']} KV tokens, {row['output_tokens_per_s']:.1f} output tok/s ({row['ratio']:.2f}x)")
+        print(
+            f"{dtype}: {row['kv_tokens']} KV tokens, {row['output_tokens_per_s']:.1f} output tok/s ({row['ratio']:.2f}x)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": report}, f, indent=2)

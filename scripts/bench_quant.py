@@ -47,11 +47,13 @@ def main() -> None:
     llms = {}
     for config in args.configs:
         weights, kv = config.split(":")
-        llms[config] = LLM(args.model, quantization=weights, kv_cache_dtype=kv, max_num_seqs=max(args.batches))
+        llms[config] = LLM(
+            args.model, quantization=weights, kv_cache_dtype=kv, max_num_seqs=max(args.batches)
+        )
     results: dict[str, dict[int, float]] = {config: {} for config in args.configs}
     for batch in args.batches:
         budget = args.steps * (args.rounds + 2) + 8
-        for config, llm in llms.items():
+        for llm in llms.values():
             start_batch(llm, batch, args.prompt_len, budget, f"b{batch}")
             for _ in range(2):
                 llm.engine.step()
@@ -63,14 +65,20 @@ def main() -> None:
                     llm.engine.step()
                 times[config].append((time.perf_counter() - start) / args.steps)
         for config, llm in llms.items():
-            while llm.engine.has_unfinished() if hasattr(llm.engine, "has_unfinished") else llm.engine.scheduler.running:
+            while (
+                llm.engine.has_unfinished()
+                if hasattr(llm.engine, "has_unfinished")
+                else llm.engine.scheduler.running
+            ):
                 llm.engine.step()
             results[config][batch] = statistics.median(times[config]) * 1e3
     base = args.configs[0]
     print("| config | " + " | ".join(f"batch {b} ms/step (x{base})" for b in args.batches) + " |")
     print("|---|" + "---|" * len(args.batches))
     for config in args.configs:
-        cells = [f"{results[config][b]:.2f} ({results[base][b] / results[config][b]:.2f}x)" for b in args.batches]
+        cells = [
+            f"{results[config][b]:.2f} ({results[base][b] / results[config][b]:.2f}x)" for b in args.batches
+        ]
         print(f"| {config} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:

@@ -5,15 +5,26 @@ from __future__ import annotations
 import json
 
 import torch
+from hf_oracle import _load
 
 from hearth.engine.llm import LLM
 from hearth.eval.cli import parse_config
 from hearth.eval.scoring import score_texts, text_logprobs
 from hearth.eval.tool_calls import tool_call_problem
-from hf_oracle import _load
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 def test_tool_call_validity_rule():
@@ -35,8 +46,12 @@ def test_text_logprobs_match_transformers(tiny_llama):
 
 
 def test_scores_against_itself_and_against_fp8_kv(tiny_llama):
-    ref = LLM(str(tiny_llama), enable_prefix_caching=False, kv_cache_memory_gib=0.02, kv_cache_dtype="float32")
-    fp8 = LLM(str(tiny_llama), enable_prefix_caching=False, kv_cache_memory_gib=0.02, kv_cache_dtype="fp8_e4m3")
+    ref = LLM(
+        str(tiny_llama), enable_prefix_caching=False, kv_cache_memory_gib=0.02, kv_cache_dtype="float32"
+    )
+    fp8 = LLM(
+        str(tiny_llama), enable_prefix_caching=False, kv_cache_memory_gib=0.02, kv_cache_dtype="fp8_e4m3"
+    )
     texts = [list(range(3, 60)), list(range(100, 140))]
     scores = score_texts({"ref": ref, "same": ref, "fp8": fp8}, "ref", texts)
     assert scores["same"].agree == scores["same"].num_tokens == 95 and abs(scores["same"].kl) < 1e-9
@@ -49,12 +64,35 @@ def test_eval_command_writes_json_and_markdown(tiny_llama, tmp_path):
 
     eval_set = tmp_path / "set.json"
     prompt = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": WEATHER}
-    eval_set.write_text(json.dumps({"texts": ["hello world, this is a held-out text"] * 2, "tool_prompts": [prompt]}))
+    eval_set.write_text(
+        json.dumps({"texts": ["hello world, this is a held-out text"] * 2, "tool_prompts": [prompt]})
+    )
     out, md = tmp_path / "out.json", tmp_path / "out.md"
-    assert parse_config("a:kv_cache_dtype=fp8_e4m3,page_size=8") == ("a", {"kv_cache_dtype": "fp8_e4m3", "page_size": 8})
-    code = main(["eval", "--model", str(tiny_llama), "--eval-set", str(eval_set), "--config", "ref:kv_cache_dtype=bfloat16",
-                 "--config", "fp8:kv_cache_dtype=fp8_e4m3", "--max-new-tokens", "8", "--kv-cache-memory", "0.02",
-                 "--json", str(out), "--markdown", str(md)])
+    assert parse_config("a:kv_cache_dtype=fp8_e4m3,page_size=8") == (
+        "a",
+        {"kv_cache_dtype": "fp8_e4m3", "page_size": 8},
+    )
+    code = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_llama),
+            "--eval-set",
+            str(eval_set),
+            "--config",
+            "ref:kv_cache_dtype=bfloat16",
+            "--config",
+            "fp8:kv_cache_dtype=fp8_e4m3",
+            "--max-new-tokens",
+            "8",
+            "--kv-cache-memory",
+            "0.02",
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+        ]
+    )
     assert code == 0
     results = json.loads(out.read_text())
     assert set(results["configs"]) == {"ref", "fp8"}

@@ -95,7 +95,9 @@ def quantize_checkpoint(src: Path, dst: Path, group: int, sym: bool, act_order: 
         w = tensor.float()
         out, k = w.shape
         g_idx = None
-        if act_order:  # q/k/v (and gate/up) share their input, so GPTQ gives them one order: one per layer input
+        if (
+            act_order
+        ):  # q/k/v (and gate/up) share their input, so GPTQ gives them one order: one per layer input
             key = (int(name.split(".")[2]), k if module[-2] not in ("q_proj", "k_proj", "v_proj") else -1)
             if module[-2] in ("gate_proj", "up_proj"):
                 key = (key[0], -2)
@@ -108,8 +110,12 @@ def quantize_checkpoint(src: Path, dst: Path, group: int, sym: bool, act_order: 
             scales = (amax / 7.5).clamp(min=1e-6)
             zeros = torch.full_like(scales, 8.0)
         else:
-            low = torch.zeros(out, k // group).scatter_reduce(1, groups.expand(out, k), w, "amin").clamp(max=0)
-            high = torch.zeros(out, k // group).scatter_reduce(1, groups.expand(out, k), w, "amax").clamp(min=0)
+            low = (
+                torch.zeros(out, k // group).scatter_reduce(1, groups.expand(out, k), w, "amin").clamp(max=0)
+            )
+            high = (
+                torch.zeros(out, k // group).scatter_reduce(1, groups.expand(out, k), w, "amax").clamp(min=0)
+            )
             scales = ((high - low) / 15).clamp(min=1e-6)
             zeros = torch.round(-low / scales).clamp(0, 15)
         scales = scales.half().float()  # the formats store fp16 scales
@@ -121,8 +127,11 @@ def quantize_checkpoint(src: Path, dst: Path, group: int, sym: bool, act_order: 
             packed[prefix + ".scales"] = scales.t().half().contiguous()
             packed[prefix + ".g_idx"] = groups.int() if g_idx is None else g_idx.clone()
         elif fmt == "awq":
+
             def awq_pack(v: torch.Tensor) -> torch.Tensor:  # [rows, out] -> [rows, out / 8], AWQ's order
-                return pack_int32(v.view(v.shape[0], -1, 8)[:, :, list(AWQ_ORDER)].reshape(v.shape[0], -1), dim=1)
+                return pack_int32(
+                    v.view(v.shape[0], -1, 8)[:, :, list(AWQ_ORDER)].reshape(v.shape[0], -1), dim=1
+                )
 
             packed[prefix + ".qweight"] = awq_pack(q.t().contiguous())
             packed[prefix + ".qzeros"] = awq_pack(zeros.to(torch.uint8).t().contiguous())
@@ -139,17 +148,40 @@ def quantize_checkpoint(src: Path, dst: Path, group: int, sym: bool, act_order: 
     save_file(dense, dense_dir / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
     if fmt == "gptq":
-        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
-                                         "desc_act": act_order, "sym": sym, "checkpoint_format": "gptq"}
+        config["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group,
+            "desc_act": act_order,
+            "sym": sym,
+            "checkpoint_format": "gptq",
+        }
     elif fmt == "awq":
-        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
-                                         "zero_point": True, "version": "gemm"}
+        config["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group,
+            "zero_point": True,
+            "version": "gemm",
+        }
     else:
         config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": group,
-                "actorder": "group" if act_order else None}}},
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": sym,
+                        "strategy": "group",
+                        "group_size": group,
+                        "actorder": "group" if act_order else None,
+                    },
+                }
+            },
         }
     (dst / "config.json").write_text(json.dumps(config))
     return dense_dir

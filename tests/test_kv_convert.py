@@ -53,8 +53,12 @@ def test_bf16_pages_into_an_fp8_pool_use_the_receivers_scales():
     sent = sender.read_pages([2, 5]).float()
     expected = torch.stack(
         [
-            torch.stack([fake_quantize_fp8(sent[layer, 0].reshape(-1, HEADS, DIM), k_scales[layer]),
-                         fake_quantize_fp8(sent[layer, 1].reshape(-1, HEADS, DIM), v_scales[layer])])
+            torch.stack(
+                [
+                    fake_quantize_fp8(sent[layer, 0].reshape(-1, HEADS, DIM), k_scales[layer]),
+                    fake_quantize_fp8(sent[layer, 1].reshape(-1, HEADS, DIM), v_scales[layer]),
+                ]
+            )
             for layer in range(LAYERS)
         ]
     ).view_as(got)
@@ -86,4 +90,6 @@ def test_scales_are_demanded_where_needed():
     with pytest.raises(ValueError, match="dst_scales"):
         convert_pages(pages.float(), FP8_DTYPE)
     with pytest.raises(ValueError, match="convert_pages"):
-        pool(FP8_DTYPE, (torch.ones(LAYERS, HEADS), torch.ones(LAYERS, HEADS))).write_pages([0], pages.float())
+        pool(FP8_DTYPE, (torch.ones(LAYERS, HEADS), torch.ones(LAYERS, HEADS))).write_pages(
+            [0], pages.float()
+        )

@@ -5,13 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from hearth.kv.fp8 import FP8_DTYPE, FP8_MAX, fake_quantize_fp8, quantize_fp8, scales_from_amax
-from hearth.kv.fp8_scales import kv_scale_target, scales_from_checkpoint
-from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
-from hearth.ops import cpu_kernels
-from hearth.ops.attention.cpu import CpuBackend
-from hearth.ops.attention.torch_ref import TorchRefBackend
 from test_attention_backends import (
     HEAD_DIM,
     HEADS,
@@ -21,6 +14,13 @@ from test_attention_backends import (
     PAGE_SIZE,
     make_step,
 )
+
+from hearth.kv.fp8 import FP8_DTYPE, FP8_MAX, fake_quantize_fp8, quantize_fp8, scales_from_amax
+from hearth.kv.fp8_scales import kv_scale_target, scales_from_checkpoint
+from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
+from hearth.ops import cpu_kernels
+from hearth.ops.attention.cpu import CpuBackend
+from hearth.ops.attention.torch_ref import TorchRefBackend
 
 # Heads of very different sizes: one scale for all (or 1.0) would flush one head or saturate the other.
 HEAD_MAGNITUDES = torch.tensor([3000.0, 0.01])
@@ -85,7 +85,10 @@ def test_fp8_backend_attends_like_float64_attention_over_fake_quantized_kv(backe
         assert cpu_kernels.paged_decode_attention_fp8_kernel() is not None, "the CPU FP8 kernel did not build"
     torch.manual_seed(0)
     pool = fp8_pool()
-    old_k, old_v = scaled_randn(16 * PAGE_SIZE, KV_HEADS, HEAD_DIM), scaled_randn(16 * PAGE_SIZE, KV_HEADS, HEAD_DIM)
+    old_k, old_v = (
+        scaled_randn(16 * PAGE_SIZE, KV_HEADS, HEAD_DIM),
+        scaled_randn(16 * PAGE_SIZE, KV_HEADS, HEAD_DIM),
+    )
     k_scales = scales_from_amax(old_k.abs().amax(dim=(0, 2)))
     v_scales = scales_from_amax(old_v.abs().amax(dim=(0, 2)))
     pool.set_scales(k_scales[None], v_scales[None])
@@ -93,7 +96,9 @@ def test_fp8_backend_attends_like_float64_attention_over_fake_quantized_kv(backe
     pool.store(0, all_slots, old_k, old_v)
     step = make_step(MIXED_ROWS, MIXED_PAGES)
     num_tokens = len(step.token_ids)
-    q = torch.randn(num_tokens, HEADS, HEAD_DIM) / HEAD_MAGNITUDES.repeat_interleave(HEADS // KV_HEADS).view(-1, 1)
+    q = torch.randn(num_tokens, HEADS, HEAD_DIM) / HEAD_MAGNITUDES.repeat_interleave(HEADS // KV_HEADS).view(
+        -1, 1
+    )
     k, v = scaled_randn(num_tokens, KV_HEADS, HEAD_DIM), scaled_randn(num_tokens, KV_HEADS, HEAD_DIM)
     backend = backend_cls(
         device="cpu",
@@ -113,7 +118,9 @@ def test_fp8_backend_attends_like_float64_attention_over_fake_quantized_kv(backe
     keys[slots], values[slots] = fake_quantize_fp8(k, k_scales), fake_quantize_fp8(v, v_scales)
     k_pool, _ = pool.layer(0)
     assert torch.equal(k_pool[slots].view(torch.uint8), quantize_fp8(k, k_scales).view(torch.uint8))
-    expected = reference_attention_dequantized(q, keys.double(), values.double(), step, HEAD_DIM**-0.5, window)
+    expected = reference_attention_dequantized(
+        q, keys.double(), values.double(), step, HEAD_DIM**-0.5, window
+    )
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
     # ... and the scales matter: the same bytes read with unit scales give something else entirely.
     pool.set_scales(torch.ones(1, KV_HEADS), torch.ones(1, KV_HEADS))
@@ -157,8 +164,12 @@ def test_checkpoint_scale_names_and_shapes():
     assert kv_scale_target("model.layers.1.self_attn.k_proj.weight_scale") is None
     assert kv_scale_target("model.layers.1.self_attn.k_proj.weight") is None
     layout = KVLayout(2, 2, 8, 4, FP8_DTYPE)
-    found = {(0, "k"): torch.tensor(0.5), (0, "v"): torch.tensor([0.1, 0.2]), (1, "k"): torch.tensor([2.0]),
-             (1, "v"): torch.tensor(3.0)}
+    found = {
+        (0, "k"): torch.tensor(0.5),
+        (0, "v"): torch.tensor([0.1, 0.2]),
+        (1, "k"): torch.tensor([2.0]),
+        (1, "v"): torch.tensor(3.0),
+    }
     k, v = scales_from_checkpoint(found, layout)
     assert k.tolist() == [[0.5, 0.5], [2.0, 2.0]]
     torch.testing.assert_close(v, torch.tensor([[0.1, 0.2], [3.0, 3.0]]))

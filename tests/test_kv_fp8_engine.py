@@ -77,7 +77,9 @@ def test_fp8_kv_holds_twice_the_tokens_and_answers_like_fake_quantized_float_kv(
         float_store(layer, slot_mapping, fake_quantize_fp8(k, k_scale), fake_quantize_fp8(v, v_scale))
 
     monkeypatch.setattr(pool, "store", fake_quantizing_store)
-    monkeypatch.setattr("hearth.model.layers.rotary_write_kv_kernel", lambda: None)  # it would write unrounded
+    monkeypatch.setattr(
+        "hearth.model.layers.rotary_write_kv_kernel", lambda: None
+    )  # it would write unrounded
     assert greedy(reference) == got
 
 
@@ -87,8 +89,16 @@ def fp8_server(tmp_path_factory) -> ServerProcess:
 
     root = tmp_path_factory.mktemp("serve-fp8")
     model = make_tiny_model(root / "tiny")
-    args = ["--model", str(model), "--kv-cache-dtype", "fp8_e4m3", "--kv-cache-memory", "0.02",
-            "--max-model-len", "256"]
+    args = [
+        "--model",
+        str(model),
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--kv-cache-memory",
+        "0.02",
+        "--max-model-len",
+        "256",
+    ]
     process = ServerProcess(args, root / "server.log")
     with process:
         yield process
@@ -100,7 +110,9 @@ def test_server_serves_fp8_kv_and_reports_tokens_held(fp8_server: ServerProcess,
         reply = http.post("/v1/completions", json=body).json()
         metrics = http.get("/metrics").text
     in_process = LLM(str(tiny_llama), kv_cache_dtype="fp8_e4m3", kv_cache_memory_gib=0.02, max_model_len=256)
-    expected = in_process.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    expected = in_process.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
     assert reply["choices"][0]["text"] == expected[0].text
     held = re.search(r"hearth_kv_cache_tokens\{[^}]*\} ([0-9.e+]+)", metrics)
     assert held is not None, metrics

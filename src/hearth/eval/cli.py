@@ -68,7 +68,9 @@ def tool_validity(llm: Any, prompts: list[dict[str, Any]], max_new_tokens: int) 
     template = ChatTemplate.from_dir(llm.engine.config.model)
     texts = [template.render(p["messages"], tools=p["tools"], add_generation_prompt=True) for p in prompts]
     ids = [llm.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    results = llm.generate(ids, SamplingParams(max_tokens=max_new_tokens, temperature=0, skip_special_tokens=True))
+    results = llm.generate(
+        ids, SamplingParams(max_tokens=max_new_tokens, temperature=0, skip_special_tokens=True)
+    )
     problems = [tool_call_problem(r.text, p["tools"]) for r, p in zip(results, prompts)]
     valid = sum(problem is None for problem in problems)
     return {
@@ -86,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
     eval_set = json.loads(Path(args.eval_set).read_text())
     configs = [parse_config(spec) for spec in (args.config or DEFAULT_CONFIGS)]
     llms = {
-        name: LLM(args.model, enable_prefix_caching=False, kv_cache_memory_gib=args.kv_cache_memory, **options)
+        name: LLM(
+            args.model, enable_prefix_caching=False, kv_cache_memory_gib=args.kv_cache_memory, **options
+        )
         for name, options in configs
     }
     reference = configs[0][0]
@@ -109,13 +113,13 @@ def run(args: argparse.Namespace) -> int:
             if ref_answers is None:
                 ref_answers = answers
             else:
-                tools["same_answer_as_reference_share"] = sum(a == b for a, b in zip(answers, ref_answers)) / max(
-                    1, len(answers)
-                )
+                tools["same_answer_as_reference_share"] = sum(
+                    a == b for a, b in zip(answers, ref_answers)
+                ) / max(1, len(answers))
             entry["tool_calls"] = tools
         results["configs"][name] = entry
     ref = results["configs"][reference]
-    for name, entry in results["configs"].items():
+    for entry in results["configs"].values():
         entry["perplexity_change"] = entry["perplexity"] / ref["perplexity"] - 1
         entry["kv_tokens_ratio"] = entry["kv_tokens"] / ref["kv_tokens"]
     results["eval_time_s"] = time.monotonic() - started

@@ -21,7 +21,9 @@ def text_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     if engine.scheduler.running or engine.scheduler.waiting:
         raise RuntimeError("text_logprobs needs an idle engine")
     if engine.config.enable_prefix_caching:
-        raise RuntimeError("text_logprobs writes pages the prefix cache does not know of: build with enable_prefix_caching=False")
+        raise RuntimeError(
+            "text_logprobs writes pages the prefix cache does not know of: build with enable_prefix_caching=False"
+        )
     worker = engine.worker
     n = len(token_ids)
     page_size = worker.kv_pool.page_size
@@ -69,9 +71,7 @@ class TextScores:
         return out
 
 
-def score_texts(
-    llms: dict[str, LLM], reference: str, texts: list[list[int]]
-) -> dict[str, TextScores]:
+def score_texts(llms: dict[str, LLM], reference: str, texts: list[list[int]]) -> dict[str, TextScores]:
     """Perplexity of each configuration; greedy agreement and KL of each against `reference`."""
     scores = {name: TextScores() for name in llms}
     for token_ids in texts:

@@ -112,9 +112,7 @@ def calibration_token_ids(model_dir: str | Path, max_tokens: int) -> list[int]:
     return ids[:max_tokens]
 
 
-def init_fp8_kv_scales(
-    pool: KVPool, model: torch.nn.Module, model_dir: str | Path, max_tokens: int
-) -> str:
+def init_fp8_kv_scales(pool: KVPool, model: torch.nn.Module, model_dir: str | Path, max_tokens: int) -> str:
     """Give an FP8 pool its scales (checkpoint's, else calibrated); returns where they came from, for the log."""
     found: dict[tuple[int, str], torch.Tensor] = getattr(model, "checkpoint_kv_scales", {})
     from_checkpoint = scales_from_checkpoint(found, pool.layout)

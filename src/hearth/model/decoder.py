@@ -111,7 +111,9 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.quant_method.process_after_loading(module)
         quantize_head = getattr(self.quant_method, "quantize_lm_head", None)
-        if quantize_head is not None:  # `--quantization int4`: the head is the largest matrix of a small model
+        if (
+            quantize_head is not None
+        ):  # `--quantization int4`: the head is the largest matrix of a small model
             self.lm_head_int4 = quantize_head(self.lm_head.weight)
         if self.lm_head_int4 is None and self.lm_head.weight.device.type == "cpu":
             self.lm_head_weights = prepare_linear_weights(self.lm_head.weight, gemv_layout=True)

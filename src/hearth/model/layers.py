@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.kv.fp8 import is_fp8
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.quantization.registry import QuantizationMethod
 from hearth.model.quantization.unquantized import UnquantizedLinearMethod
 from hearth.model.rotary import apply_rotary
 from hearth.model.weights import ShardId, TPRank, WeightShapeError, divide, set_weight_attrs
 from hearth.ops.attention import AttentionContext
-from hearth.kv.fp8 import is_fp8
 from hearth.ops.cpu_kernels import rms_norm_kernel, rotary_write_kv_fp8_kernel, rotary_write_kv_kernel
 from hearth.ops.linear import LinearWeights
 from hearth.ops.triton import use_triton_kernels
@@ -120,7 +120,9 @@ class Linear(nn.Module):
         target = param.data
         if output_dim is not None:
             target = target.narrow(output_dim, shard.local_offset // out_pack, shard.size // out_pack)
-            loaded_weight = loaded_weight.narrow(output_dim, shard.source_start // out_pack, shard.size // out_pack)
+            loaded_weight = loaded_weight.narrow(
+                output_dim, shard.source_start // out_pack, shard.size // out_pack
+            )
         if input_dim is not None:
             start, size = self.input_shard
             loaded_weight = loaded_weight.narrow(input_dim, start // in_pack, size // in_pack)

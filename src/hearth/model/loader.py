@@ -92,7 +92,9 @@ def build_model(
     tp_size: int = 1,
 ) -> CausalLM:
     """The registered class of `config.architecture`, its parameters allocated (not initialised) on `device`."""
-    options = LayerOptions(tp=TPRank(tp_rank, tp_size), quant_method=get_quantization_method(quantization, quant_config))
+    options = LayerOptions(
+        tp=TPRank(tp_rank, tp_size), quant_method=get_quantization_method(quantization, quant_config)
+    )
     model_class = get_model_class(config.architecture)
     # Parameters are created in `dtype` on the meta device: no initialisation, no float32 copy to cast.
     with torch.device("meta"), _default_dtype(dtype):

@@ -121,7 +121,13 @@ load(name=sys.argv[1], sources=sys.argv[3:], extra_cflags=ast.literal_eval(sys.a
 
 
 def _build() -> None:
-    global _kernel, _skinny_linear, _rms_norm, _rotary_write_kv, _paged_decode_attention_fp8, _rotary_write_kv_fp8
+    global \
+        _kernel, \
+        _skinny_linear, \
+        _rms_norm, \
+        _rotary_write_kv, \
+        _paged_decode_attention_fp8, \
+        _rotary_write_kv_fp8
     global _int4_skinny_linear
     try:
         from torch.utils.cpp_extension import load

@@ -105,7 +105,9 @@ def int4_linear(x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None
         kernel = int4_skinny_linear_kernel()
         if kernel is not None:
             xs = x if weights.perm is None else x.index_select(1, weights.perm)
-            return kernel(xs.contiguous(), weights.packed, weights.scales, weights.zero_scaled, weights.group_size, bias)
+            return kernel(
+                xs.contiguous(), weights.packed, weights.scales, weights.zero_scaled, weights.group_size, bias
+            )
     return F.linear(x, dequantize_int4(weights).to(x.dtype), bias)
 
 

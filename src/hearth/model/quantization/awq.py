@@ -50,12 +50,34 @@ class AWQLinearMethod(Int4LinearMethod):
     ) -> None:
         check_divisible(layer, input_size, output_size, self.group_size)
         groups = input_size // self.group_size
-        add_param(layer, "qweight", (input_size, output_size // PACK), torch.int32,
-                  input_dim=0, output_dim=1, output_pack=PACK)
-        add_param(layer, "qzeros", (groups, output_size // PACK), torch.int32,
-                  input_dim=0, output_dim=1, input_pack=self.group_size, output_pack=PACK)
-        add_param(layer, "scales", (groups, output_size), torch.float32,
-                  input_dim=0, output_dim=1, input_pack=self.group_size)
+        add_param(
+            layer,
+            "qweight",
+            (input_size, output_size // PACK),
+            torch.int32,
+            input_dim=0,
+            output_dim=1,
+            output_pack=PACK,
+        )
+        add_param(
+            layer,
+            "qzeros",
+            (groups, output_size // PACK),
+            torch.int32,
+            input_dim=0,
+            output_dim=1,
+            input_pack=self.group_size,
+            output_pack=PACK,
+        )
+        add_param(
+            layer,
+            "scales",
+            (groups, output_size),
+            torch.float32,
+            input_dim=0,
+            output_dim=1,
+            input_pack=self.group_size,
+        )
 
     def checkpoint_params(self) -> tuple[str, ...]:
         return ("qweight", "qzeros", "scales")

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hearth.model.config import ModelLoadError
-from hearth.model.quantization.int4 import PACK, Int4LinearMethod, add_param, check_divisible, load_g_idx, unpack_int32
+from hearth.model.quantization.int4 import (
+    PACK,
+    Int4LinearMethod,
+    add_param,
+    check_divisible,
+    load_g_idx,
+    unpack_int32,
+)
 from hearth.model.quantization.registry import register_quantization_method
 
 if TYPE_CHECKING:
@@ -65,17 +72,45 @@ class CompressedTensorsW4A16Method(Int4LinearMethod):
     ) -> None:
         check_divisible(layer, input_size, output_size, self.group_size)
         groups = input_size // self.group_size
-        add_param(layer, "weight_packed", (output_size, input_size // PACK), torch.int32,
-                  output_dim=0, input_dim=1, input_pack=PACK)
-        add_param(layer, "weight_scale", (output_size, groups), torch.float32,
-                  output_dim=0, input_dim=1, input_pack=self.group_size)
+        add_param(
+            layer,
+            "weight_packed",
+            (output_size, input_size // PACK),
+            torch.int32,
+            output_dim=0,
+            input_dim=1,
+            input_pack=PACK,
+        )
+        add_param(
+            layer,
+            "weight_scale",
+            (output_size, groups),
+            torch.float32,
+            output_dim=0,
+            input_dim=1,
+            input_pack=self.group_size,
+        )
         add_param(layer, "weight_shape", (2,), torch.int64, weight_loader=_ignore_loader)
         if not self.symmetric:
-            add_param(layer, "weight_zero_point", (output_size // PACK, groups), torch.int32,
-                      output_dim=0, input_dim=1, output_pack=PACK, input_pack=self.group_size)
+            add_param(
+                layer,
+                "weight_zero_point",
+                (output_size // PACK, groups),
+                torch.int32,
+                output_dim=0,
+                input_dim=1,
+                output_pack=PACK,
+                input_pack=self.group_size,
+            )
         if self.actorder:
-            add_param(layer, "weight_g_idx", (input_size,), torch.int32, input_dim=0,
-                      weight_loader=lambda p, w, shard=None: load_g_idx(layer, p, w, shard))
+            add_param(
+                layer,
+                "weight_g_idx",
+                (input_size,),
+                torch.int32,
+                input_dim=0,
+                weight_loader=lambda p, w, shard=None: load_g_idx(layer, p, w, shard),
+            )
 
     def checkpoint_params(self) -> tuple[str, ...]:
         names = ["weight_packed", "weight_scale", "weight_shape"]

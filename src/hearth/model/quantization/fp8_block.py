@@ -23,10 +23,14 @@ if TYPE_CHECKING:
     from hearth.model.layers import Linear
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
     """float32 `[out, in]` from an FP8 `weight` and its per-block `scale_inv`."""
     out, k = weight.shape
-    scales = scale_inv.float().repeat_interleave(block[0], dim=0)[:out].repeat_interleave(block[1], dim=1)[:, :k]
+    scales = (
+        scale_inv.float().repeat_interleave(block[0], dim=0)[:out].repeat_interleave(block[1], dim=1)[:, :k]
+    )
     return weight.float() * scales
 
 
@@ -60,7 +64,9 @@ class Fp8BlockLinearMethod(QuantizationMethod):
 
     def process_after_loading(self, layer: Linear) -> None:
         weight = layer.weight.data
-        dense = torch.empty(weight.shape, dtype=torch.get_default_dtype() if weight.device.type != "cpu" else torch.float32)
+        dense = torch.empty(
+            weight.shape, dtype=torch.get_default_dtype() if weight.device.type != "cpu" else torch.float32
+        )
         for shard_id, shard in layer.output_shards.items():
             scale_inv = layer.fp8_block_scales.get(shard_id)
             if scale_inv is None:

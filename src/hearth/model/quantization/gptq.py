@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hearth.model.config import ModelLoadError
-from hearth.model.quantization.int4 import PACK, Int4LinearMethod, add_param, check_divisible, load_g_idx, unpack_int32
+from hearth.model.quantization.int4 import (
+    PACK,
+    Int4LinearMethod,
+    add_param,
+    check_divisible,
+    load_g_idx,
+    unpack_int32,
+)
 from hearth.model.quantization.registry import register_quantization_method
 
 if TYPE_CHECKING:
@@ -50,14 +57,42 @@ class GPTQLinearMethod(Int4LinearMethod):
         layer.int4_group_size = group_size
         check_divisible(layer, input_size, output_size, group_size)
         groups = input_size // group_size
-        add_param(layer, "qweight", (input_size // PACK, output_size), torch.int32,
-                  input_dim=0, output_dim=1, input_pack=PACK)
-        add_param(layer, "qzeros", (groups, output_size // PACK), torch.int32,
-                  input_dim=0, output_dim=1, input_pack=group_size, output_pack=PACK)
-        add_param(layer, "scales", (groups, output_size), torch.float32,
-                  input_dim=0, output_dim=1, input_pack=group_size)
-        add_param(layer, "g_idx", (input_size,), torch.int32, input_dim=0,
-                  weight_loader=lambda p, w, shard=None: load_g_idx(layer, p, w, shard))
+        add_param(
+            layer,
+            "qweight",
+            (input_size // PACK, output_size),
+            torch.int32,
+            input_dim=0,
+            output_dim=1,
+            input_pack=PACK,
+        )
+        add_param(
+            layer,
+            "qzeros",
+            (groups, output_size // PACK),
+            torch.int32,
+            input_dim=0,
+            output_dim=1,
+            input_pack=group_size,
+            output_pack=PACK,
+        )
+        add_param(
+            layer,
+            "scales",
+            (groups, output_size),
+            torch.float32,
+            input_dim=0,
+            output_dim=1,
+            input_pack=group_size,
+        )
+        add_param(
+            layer,
+            "g_idx",
+            (input_size,),
+            torch.int32,
+            input_dim=0,
+            weight_loader=lambda p, w, shard=None: load_g_idx(layer, p, w, shard),
+        )
 
     def checkpoint_params(self) -> tuple[str, ...]:
         return ("qweight", "qzeros", "scales", "g_idx")

@@ -125,7 +125,9 @@ class RTNInt4Method(Int4LinearMethod):
         weight = layer.weight.data
         group_size = next((g for g in (128, 64) if weight.shape[1] % g == 0), None)
         if group_size is None:
-            raise ModelLoadError(f"--quantization int4: {weight.shape[1]} input features is not a multiple of 64")
+            raise ModelLoadError(
+                f"--quantization int4: {weight.shape[1]} input features is not a multiple of 64"
+            )
         q, scales, zeros = quantize_rtn(weight, group_size)
         layer.int4_group_size = group_size
         return q, scales, zeros, None

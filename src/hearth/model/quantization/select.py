@@ -16,6 +16,7 @@ from typing import Any
 
 from hearth.engine.config import QUANTIZATION_CHOICES
 from hearth.model.config import ModelLoadError
+
 _INT4_FORMATS = ("gptq", "awq", "compressed-tensors")
 
 
@@ -32,7 +33,9 @@ def checkpoint_quant_config(model_dir: str | Path) -> dict[str, Any] | None:
 def resolve_quantization(requested: str, model_dir: str | Path) -> tuple[str, dict[str, Any] | None]:
     """(method name, the checkpoint's quantization_config or None)."""
     if requested not in QUANTIZATION_CHOICES:
-        raise ModelLoadError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {requested!r}")
+        raise ModelLoadError(
+            f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {requested!r}"
+        )
     config = checkpoint_quant_config(model_dir)
     shipped = str(config.get("quant_method", "")).replace("_", "-") if config else None
     if shipped is None:
