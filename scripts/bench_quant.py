@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cpu_kernels.paged_decode_attention_kernel(wait=True)
@@ -48,7 +49,7 @@ def main() -> None:
     for config in args.configs:
         weights, kv = config.split(":")
         llms[config] = LLM(
-            args.model, quantization=weights, kv_cache_dtype=kv, max_num_seqs=max(args.batches)
+            args.model, quantization=weights, kv_cache_dtype=kv, max_num_seqs=max(args.batches), num_threads=args.num_threads
         )
     results: dict[str, dict[int, float]] = {config: {} for config in args.configs}
     for batch in args.batches:
