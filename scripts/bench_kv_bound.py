@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "fp8_e4m3"])
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cpu_kernels.paged_decode_attention_kernel(wait=True)
@@ -38,6 +39,7 @@ def main() -> None:
             kv_cache_memory_gib=args.kv_cache_memory,
             max_num_seqs=args.num_prompts,
             enable_prefix_caching=False,
+            num_threads=args.num_threads,
         )
         for dtype in args.dtypes
     }
