@@ -28,11 +28,11 @@ def test_kv_dtype_is_separate_from_the_model_dtype_and_salts_prefix_keys():
     assert KVPool(half, 3).storage.dtype is torch.bfloat16
 
 
-def test_fp8_has_a_place_but_says_it_is_not_built():
-    with pytest.raises(KVCacheDtypeError, match="FP8 KV cache is not built yet"):
-        resolve_kv_dtype("fp8_e4m3", torch.float32)
-    with pytest.raises(ValueError, match="FP8 KV cache is not built yet"):
-        EngineConfig(model="m", kv_cache_dtype="fp8_e4m3")
+def test_fp8_is_a_kv_dtype():
+    assert resolve_kv_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
+    assert EngineConfig(model="m", kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype must be one of"):
+        resolve_kv_dtype("int3", torch.float32)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(model="m", kv_cache_dtype="int3")
 

@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "recommend a prefill:decode ratio and batch limits from a trace",
     ),
     ("bench", "compare"): ("hearth.bench.compare", "print ratios between two bench result files"),
+    ("eval",): ("hearth.eval.cli", "quality of precision configurations against a reference"),
 }
 
 

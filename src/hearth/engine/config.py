@@ -10,6 +10,9 @@ from typing import Any
 
 from hearth.kv.dtypes import KV_CACHE_DTYPE_CHOICES, check_kv_cache_dtype
 
+# Torch-free, like the KV dtype names: `hearth.model.quantization.select` checks them against the checkpoint.
+QUANTIZATION_CHOICES = ("auto", "none", "int4", "gptq", "awq", "compressed-tensors", "fp8")
+
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 KV_INTEGRITY_ACTIONS = ("recompute", "abort")
@@ -62,6 +65,7 @@ class EngineConfig:
     kv_transfer_host: str = "127.0.0.1"
     kv_transfer_port: int = 0
     kv_transfer_timeout_s: float = 30.0
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -69,6 +73,10 @@ class EngineConfig:
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}"
+            )
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
         if self.page_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -137,7 +145,7 @@ class EngineConfig:
             "--kv-cache-dtype",
             default="auto",
             choices=KV_CACHE_DTYPE_CHOICES,
-            help="KV cache storage dtype; auto = the model's dtype (fp8_e4m3 is not built yet)",
+            help="KV cache storage dtype; auto = the model's dtype; fp8_e4m3 halves the bytes per token (per-head scales from the checkpoint or a calibration pass)",
         )
         group.add_argument(
             "--kv-cache-memory",
@@ -174,6 +182,13 @@ class EngineConfig:
             default="recompute",
             choices=KV_INTEGRITY_ACTIONS,
             help="on a page tag mismatch: recompute the request once (then fail it), or fail it at once",
+        )
+        group.add_argument(
+            "--quantization",
+            default="auto",
+            choices=QUANTIZATION_CHOICES,
+            help="weights: auto = as the checkpoint's quantization_config says (GPTQ/AWQ/compressed-tensors INT4, "
+            "FP8 blocks), else dense; int4 = round-to-nearest INT4 per group at load time",
         )
         parallel = parser.add_argument_group("parallelism (hearth.distributed)")
         parallel.add_argument(

@@ -291,6 +291,7 @@ class Engine:
             kv_recomputed_tokens_total=self.scheduler.num_kv_recomputed_tokens,
             kv_transfer_pages_total=transfer.get("transfer_pages_received", 0)
             + transfer.get("transfer_pages_sent", 0),
+            kv_tokens_total=self.num_kv_tokens,
         )
 
 

@@ -113,7 +113,7 @@ def build_engine(config: EngineConfig) -> Engine:
             "decode role: KV transfer (%s) listening on %s", config.kv_transfer, engine.kv_transfer_endpoint
         )
     logger.info(
-        "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s, %s layout, %d bytes per token); "
+        "KV cache on %s: %d pages x %d tokens = %d tokens held (%.2f GiB, %s, %s layout, %d bytes per token); "
         "max model len %d; ready in %.1f s",
         worker.device,
         num_pages,

@@ -91,6 +91,7 @@ class EngineStats(msgspec.Struct):
     kv_transfer_failures_total: int = 0  # PD transfers that failed here (sends, or loads recomputed)
     kv_recomputed_tokens_total: int = 0  # tokens promised from elsewhere (peer, tier) and recomputed
     kv_transfer_pages_total: int = 0  # pages sent plus received
+    kv_tokens_total: int = 0  # tokens the KV cache holds (pages x page size): doubles with FP8 KV
 
 
 class ShutdownCore(msgspec.Struct, tag=True):

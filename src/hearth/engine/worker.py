@@ -30,10 +30,12 @@ from hearth.engine.sampler import Sampler, SamplingRow, make_generator
 from hearth.engine.spec.rejection import rejection_sample
 from hearth.engine.step_input import StepInput, StepSamplingRow
 from hearth.engine.structured_output import apply_bitmask
+from hearth.kv.fp8_scales import init_fp8_kv_scales
 from hearth.kv.integrity import PageTagMismatch, make_page_tag_check
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
 from hearth.model.config import ModelConfig
 from hearth.model.loader import load_model
+from hearth.model.quantization.select import resolve_quantization
 from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
 
@@ -106,6 +108,7 @@ class Worker:
         parallel = parallel_state()
         stage = stage_layers(model_config, parallel.pp_size)[parallel.pp_rank]
         self.is_sampling_rank = parallel.is_sampling_rank
+        quantization, quant_config = resolve_quantization(config.quantization, config.model)
         self.model = load_model(
             config.model,
             model_config,
@@ -116,9 +119,17 @@ class Worker:
             tp_rank=parallel.tp_rank,
             tp_size=parallel.tp_size,
             layers=stage if parallel.pp_size > 1 else None,
+            quantization=quantization,
+            quant_config=quant_config,
         )
         layout = dataclasses.replace(layout, num_layers=len(stage))
         self.kv_pool = KVPool(layout, num_pages, self.device)
+        if self.kv_pool.quantized:
+            if parallel.pp_size > 1 or parallel.tp_size > 1:
+                # Calibration runs the whole model in one process, and checkpoint scales index global layers/heads.
+                raise ValueError("--kv-cache-dtype fp8_e4m3 with tensor or pipeline parallelism is not supported yet")
+            source = init_fp8_kv_scales(self.kv_pool, self.model, config.model, max_model_len)
+            logger.info("FP8 KV cache: per (layer, KV head) scales from %s", source)
         self.page_tag_check = make_page_tag_check(config.kv_integrity)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
         max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
@@ -140,7 +151,11 @@ class Worker:
             # readiness; the torch paths serve until they are there.
             cpu_kernels.start_build()
         logger.info(
-            "worker on %s: attention backend %s, KV %s", self.device, self.attention.name, layout.describe()
+            "worker on %s: attention backend %s, KV %s, weights %s",
+            self.device,
+            self.attention.name,
+            layout.describe(),
+            quantization,
         )
 
     @torch.inference_mode()

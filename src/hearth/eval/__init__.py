@@ -1,0 +1,1 @@
+"""`hearth eval`: a configuration's quality against a reference configuration of the same model."""

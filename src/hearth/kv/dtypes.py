@@ -15,9 +15,3 @@ def check_kv_cache_dtype(name: str) -> None:
         raise KVCacheDtypeError(
             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got {name!r}"
         )
-    if name == "fp8_e4m3":
-        # Its place: a float8_e4m3fn pool with per-layer `k_scales`/`v_scales` (see KVPool), a quantizing
-        # `store` and dequantizing attention backends. The FP8 KV issue builds them.
-        raise KVCacheDtypeError(
-            "--kv-cache-dtype fp8_e4m3: the FP8 KV cache is not built yet; use auto, bfloat16, float16 or float32"
-        )

@@ -13,12 +13,18 @@ from typing import Literal
 import torch
 
 from hearth.kv.dtypes import KVCacheDtypeError, check_kv_cache_dtype
-from hearth.ops.attention.backend import write_kv
+from hearth.kv.fp8 import FP8_DTYPE, is_fp8, quantize_fp8
+from hearth.ops.attention.backend import as_copyable, write_kv
 
 __all__ = ["KVCacheDtypeError", "KVLayout", "KVPool", "resolve_kv_dtype"]
 
 KVKind = Literal["mha", "latent"]
-_NAMED_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_NAMED_KV_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8_e4m3": FP8_DTYPE,
+}
 
 
 def resolve_kv_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -84,7 +90,10 @@ class KVPool:
       one of the same shape: transfer between servers and tiers moves pages this way.
     - `page_tags[page]` (int64, on the pool's device) is the generation tag the allocator gave the page's
       current holder; `set_page_tags` writes them as pages are handed out, the integrity check reads them.
-    - `k_scales`/`v_scales` (float32 `[num_layers]`) are None for unquantized dtypes.
+    - `k_scales`/`v_scales` (float32 `[num_layers, num_kv_heads]`) are None for unquantized dtypes. An FP8
+      pool refuses to store until `set_scales` gave it measured ones (`hearth.kv.fp8_scales`); `store`
+      divides by them, readers multiply (`kv_scales(layer)`); `read_pages`/`write_pages` move the stored
+      values as they are (`hearth.kv.convert` converts between pools of different dtypes).
 
     Allocated with `torch.empty`, so on CPU the operating system commits memory only as pages are written.
     """
@@ -100,11 +109,36 @@ class KVPool:
         self.page_tags = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
+        self._layer_scales: list[tuple[torch.Tensor, torch.Tensor]] = []
         value_plane = 1 if layout.num_planes == 2 else 0
         self._layers = [(self.storage[i, 0], self.storage[i, value_plane]) for i in range(layout.num_layers)]
 
+    @property
+    def quantized(self) -> bool:
+        return is_fp8(self.layout.kv_dtype)
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[index]
+
+    def set_scales(self, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
+        """Per (layer, KV head) scales of an FP8 pool, float32 `[num_layers, num_kv_heads]`."""
+        shape = (self.layout.num_layers, self.layout.num_kv_heads)
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if tuple(scales.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(scales.shape)}, this pool takes {shape}")
+            if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
+                raise ValueError(f"{name} must be finite and > 0")
+        self.k_scales = k_scales.to(self.device, torch.float32).contiguous()
+        self.v_scales = v_scales.to(self.device, torch.float32).contiguous()
+        self._layer_scales = [(self.k_scales[i], self.v_scales[i]) for i in range(shape[0])]
+
+    def kv_scales(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `index`'s (K, V) scales `[num_kv_heads]` to multiply stored values by; None when unquantized."""
+        if not self.quantized:
+            return None
+        if self.k_scales is None:
+            raise RuntimeError("the FP8 KV pool has no scales yet (set_scales): refusing to use 1.0")
+        return self._layer_scales[index]
 
     def store(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """k, v `[num_tokens, num_kv_heads, head_dim]` into the slots `slot_mapping` (long, on the pool's device)."""
@@ -112,6 +146,9 @@ class KVPool:
         if v is None:  # a latent layout: one tensor
             k_pool.index_copy_(0, slot_mapping, k.to(k_pool.dtype))
             return
+        scales = self.kv_scales(layer)
+        if scales is not None:
+            k, v = quantize_fp8(k, scales[0]), quantize_fp8(v, scales[1])
         write_kv(k_pool, v_pool, slot_mapping, k, v)
 
     def _paged(self) -> torch.Tensor:
@@ -127,7 +164,8 @@ class KVPool:
 
     def read_pages(self, page_ids: list[int] | torch.Tensor) -> torch.Tensor:
         index = torch.as_tensor(page_ids, dtype=torch.long).to(self.device)
-        return self._paged().index_select(2, index)
+        paged = self._paged()
+        return as_copyable(paged).index_select(2, index).view(paged.dtype)
 
     def write_pages(self, page_ids: list[int] | torch.Tensor, data: torch.Tensor) -> None:
         index = torch.as_tensor(page_ids, dtype=torch.long).to(self.device)
@@ -135,7 +173,12 @@ class KVPool:
         expected = (*paged.shape[:2], index.numel(), *paged.shape[3:])
         if tuple(data.shape) != expected:
             raise ValueError(f"write_pages: data has shape {tuple(data.shape)}, this pool takes {expected}")
-        paged.index_copy_(2, index, data.to(self.device, self.layout.kv_dtype))
+        if self.quantized and data.dtype != self.layout.kv_dtype:
+            raise ValueError(
+                f"write_pages: {data.dtype} pages into an FP8 pool need this pool's scales: use "
+                "hearth.kv.convert.convert_pages"
+            )
+        as_copyable(paged).index_copy_(2, index, as_copyable(data.to(self.device, self.layout.kv_dtype)))
 
     def set_page_tags(self, page_ids: list[int], tags: list[int]) -> None:
         if page_ids:

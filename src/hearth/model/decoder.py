@@ -116,6 +116,8 @@ class CausalLM(nn.Module):
         )
         self.register_buffer("cos_sin", table, persistent=False)
         self.lm_head_weights: LinearWeights | None = None
+        self.quant_method = options.quant_method if options is not None else None
+        self.lm_head_int4: Any = None  # `hearth.ops.int4.Int4Weights` when the method quantizes the head too
 
     def checkpoint_target(self, name: str) -> tuple[str, ShardId | None] | None:
         """The parameter (and part of it, for a fused one) that checkpoint tensor `name` loads into;
@@ -147,10 +149,18 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quant_method.process_after_loading(module)
-        if self.model.is_last_stage and self.lm_head.weight.device.type == "cpu":
+        quantize_head = getattr(self.quant_method, "quantize_lm_head", None)
+        if quantize_head is not None and self.model.is_last_stage:
+            # `--quantization int4`: the head is the largest matrix of a small model.
+            self.lm_head_int4 = quantize_head(self.lm_head.weight)
+        if self.lm_head_int4 is None and self.model.is_last_stage and self.lm_head.weight.device.type == "cpu":
             self.lm_head_weights = prepare_linear_weights(self.lm_head.weight, gemv_layout=True)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_int4 is not None:
+            from hearth.ops.int4 import int4_linear
+
+            return int4_linear(hidden, self.lm_head_int4, None)
         if self.lm_head_weights is not None:
             return self.lm_head.gather(linear(hidden, self.lm_head_weights, None))
         return self.lm_head(hidden)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.distributed.state import all_reduce_tp
+from hearth.kv.fp8 import is_fp8
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.lazy_tensor import materialize
 from hearth.model.quantization.registry import QuantizationMethod
@@ -20,7 +21,7 @@ from hearth.model.quantization.unquantized import UnquantizedLinearMethod
 from hearth.model.rotary import apply_rotary
 from hearth.model.weights import ShardId, TPRank, WeightShapeError, divide, set_weight_attrs
 from hearth.ops.attention import AttentionContext
-from hearth.ops.cpu_kernels import rms_norm_kernel, rotary_write_kv_kernel
+from hearth.ops.cpu_kernels import rms_norm_kernel, rotary_write_kv_fp8_kernel, rotary_write_kv_kernel
 from hearth.ops.linear import LinearWeights
 from hearth.ops.triton import use_triton_kernels
 
@@ -112,20 +113,25 @@ class Linear(nn.Module):
             )
         output_dim: int | None = getattr(param, "output_dim", None)
         input_dim: int | None = getattr(param, "input_dim", None)
+        # Packed or grouped dims (INT4 nibbles per int32, one scale per group) hold 1/pack of the features.
+        out_pack: int = getattr(param, "output_pack", 1)
+        in_pack: int = getattr(param, "input_pack", 1)
         expected = list(param.shape)
         if output_dim is not None:
-            expected[output_dim] = shard.full_size
+            expected[output_dim] = shard.full_size // out_pack
         if input_dim is not None:
-            expected[input_dim] = self.input_size
+            expected[input_dim] = self.input_size // in_pack
         if tuple(loaded_weight.shape) != tuple(expected):
             raise WeightShapeError(loaded_weight.shape, tuple(expected))
         target = param.data
         if output_dim is not None:
-            target = target.narrow(output_dim, shard.local_offset, shard.size)
-            loaded_weight = loaded_weight.narrow(output_dim, shard.source_start, shard.size)
+            target = target.narrow(output_dim, shard.local_offset // out_pack, shard.size // out_pack)
+            loaded_weight = loaded_weight.narrow(
+                output_dim, shard.source_start // out_pack, shard.size // out_pack
+            )
         if input_dim is not None:
             start, size = self.input_shard
-            loaded_weight = loaded_weight.narrow(input_dim, start, size)
+            loaded_weight = loaded_weight.narrow(input_dim, start // in_pack, size // in_pack)
         target.copy_(materialize(loaded_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -329,14 +335,19 @@ class Attention(nn.Module):
                 None,
                 None,
             )
-        fused = rotary_write_kv_kernel() if self.q_norm is None else None
         if (
-            fused is not None
+            self.q_norm is None
             and qkv.device.type == "cpu"
             and qkv.is_contiguous()
-            and k_pool.dtype == qkv.dtype == torch.float32
+            and qkv.dtype == torch.float32
         ):
-            return fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, ctx.metadata.slot_mapping), None, None
+            slots = ctx.metadata.slot_mapping
+            if k_pool.dtype == torch.float32 and (fused := rotary_write_kv_kernel()) is not None:
+                return fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, slots), None, None
+            if is_fp8(k_pool.dtype) and (fused := rotary_write_kv_fp8_kernel()) is not None:
+                scales = ctx.kv_pool.kv_scales(self.layer_index)
+                assert scales is not None
+                return fused(qkv, cos, sin, self.num_heads, k_pool, v_pool, slots, *scales), None, None
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)

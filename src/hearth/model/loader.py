@@ -9,10 +9,12 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from hearth.kv.fp8_scales import kv_scale_target
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.decoder import CausalLM, MissingLayer
 from hearth.model.layers import LayerOptions
@@ -54,6 +56,7 @@ def load_model(
     device: torch.device | str = "cpu",
     *,
     quantization: str = "unquantized",
+    quant_config: dict[str, Any] | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
     layers: range | None = None,
@@ -70,6 +73,7 @@ def load_model(
         max_positions,
         device=device,
         quantization=quantization,
+        quant_config=quant_config,
         tp_rank=tp_rank,
         tp_size=tp_size,
         layers=layers,
@@ -87,13 +91,16 @@ def build_model(
     *,
     device: torch.device | str = "cpu",
     quantization: str = "unquantized",
+    quant_config: dict[str, Any] | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
     layers: range | None = None,
 ) -> CausalLM:
     """The registered class of `config.architecture`, its parameters allocated (not initialised) on `device`."""
     options = LayerOptions(
-        tp=TPRank(tp_rank, tp_size), quant_method=get_quantization_method(quantization), layers=layers
+        tp=TPRank(tp_rank, tp_size),
+        quant_method=get_quantization_method(quantization, quant_config),
+        layers=layers,
     )
     model_class = get_model_class(config.architecture)
     # Parameters are created in `dtype` on the meta device: no initialisation, no float32 copy to cast.
@@ -122,6 +129,8 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False)
         f"{name}." for name, module in model.named_modules(remove_duplicate=False) if isinstance(module, MissingLayer)
     )
     loaded: set[tuple[str, ShardId | None]] = set()
+    # FP8 KV-cache scales are not parameters: set aside for the KV pool (`hearth.kv.fp8_scales`).
+    model.checkpoint_kv_scales = {}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -131,6 +140,10 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False)
         for path in files:
             with safe_open(str(path), framework="pt") as reader:
                 for name in reader.keys():
+                    scale_target = kv_scale_target(name)
+                    if scale_target is not None:
+                        model.checkpoint_kv_scales[scale_target] = reader.get_tensor(name)
+                        continue
                     target = model.checkpoint_target(name)
                     if target is None:
                         continue

@@ -36,6 +36,7 @@ _SOURCES = [
         "bf16_skinny_linear.cpp",
         "rms_norm.cpp",
         "rotary_write_kv.cpp",
+        "int4_skinny_linear.cpp",
     )
 ]
 # Vectorized float reductions need reassociation; finite-math is not assumed (masks use -inf).
@@ -56,6 +57,9 @@ _kernel: Callable[..., object] | None = None  # paged decode attention
 _skinny_linear: Callable[..., object] | None = None
 _rms_norm: Callable[..., object] | None = None
 _rotary_write_kv: Callable[..., object] | None = None
+_paged_decode_attention_fp8: Callable[..., object] | None = None
+_rotary_write_kv_fp8: Callable[..., object] | None = None
+_int4_skinny_linear: Callable[..., object] | None = None
 _build_thread: threading.Thread | None = None
 
 
@@ -117,7 +121,14 @@ load(name=sys.argv[1], sources=sys.argv[3:], extra_cflags=ast.literal_eval(sys.a
 
 
 def _build() -> None:
-    global _kernel, _skinny_linear, _rms_norm, _rotary_write_kv
+    global \
+        _kernel, \
+        _skinny_linear, \
+        _rms_norm, \
+        _rotary_write_kv, \
+        _paged_decode_attention_fp8, \
+        _rotary_write_kv_fp8
+    global _int4_skinny_linear
     try:
         from torch.utils.cpp_extension import load
 
@@ -138,6 +149,9 @@ def _build() -> None:
     _skinny_linear = module.bf16_skinny_linear
     _rms_norm = module.rms_norm
     _rotary_write_kv = module.rotary_write_kv
+    _paged_decode_attention_fp8 = module.paged_decode_attention_fp8
+    _rotary_write_kv_fp8 = module.rotary_write_kv_fp8
+    _int4_skinny_linear = module.int4_skinny_linear
     logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm, rotary + KV write)")
 
 
@@ -176,3 +190,20 @@ def rms_norm_kernel() -> Callable[..., object] | None:
 def rotary_write_kv_kernel() -> Callable[..., object] | None:
     """`rotary_write_kv(qkv, cos, sin, heads, k_pool, v_pool, slot_mapping) -> q` once built; else None."""
     return _rotary_write_kv
+
+
+def paged_decode_attention_fp8_kernel() -> Callable[..., object] | None:
+    """`paged_decode_attention_fp8(q, k_pool, v_pool, k_scale, v_scale, page_table, lens, firsts, page_size,
+    scale)` over float8_e4m3fn pools once built; else None."""
+    return _paged_decode_attention_fp8
+
+
+def rotary_write_kv_fp8_kernel() -> Callable[..., object] | None:
+    """`rotary_write_kv_fp8(qkv, cos, sin, heads, k_pool, v_pool, slot_mapping, k_scale, v_scale) -> q` once
+    built; else None."""
+    return _rotary_write_kv_fp8
+
+
+def int4_skinny_linear_kernel() -> Callable[..., object] | None:
+    """`int4_skinny_linear(x, packed, scales, zero_scaled, group_size, bias=None)` once built; else None."""
+    return _int4_skinny_linear

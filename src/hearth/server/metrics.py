@@ -80,6 +80,9 @@ class _EngineCollector(Collector):
         yield gauge("num_requests_waiting", "Requests waiting for the engine.", stats.num_waiting)
         yield gauge("kv_pages_used", "KV cache pages in use.", stats.kv_pages_used)
         yield gauge("kv_pages_total", "KV cache pages in all.", stats.kv_pages_total)
+        yield gauge(
+            "kv_cache_tokens", "Tokens the KV cache holds in all (pages x page size).", stats.kv_tokens_total
+        )
         queries = stats.prefix_cache_queries_tokens
         hit_ratio = stats.prefix_cache_hit_tokens / queries if queries else 0.0
         yield gauge(

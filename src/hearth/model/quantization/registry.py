@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -39,6 +39,11 @@ class QuantizationMethod(ABC):
       It runs in every forward: keep it to a dispatch.
     """
 
+    @classmethod
+    def from_config(cls, quant_config: dict[str, Any]) -> QuantizationMethod:
+        """An instance for a checkpoint's `quantization_config` (config.json); methods without options ignore it."""
+        return cls()
+
     @abstractmethod
     def create_weights(
         self, layer: Linear, input_size: int, output_size: int, params_dtype: torch.dtype
@@ -53,7 +58,14 @@ class QuantizationMethod(ABC):
 
 M = TypeVar("M", bound=type[QuantizationMethod])
 _METHODS: dict[str, type[QuantizationMethod]] = {}
-_MODULES = ("hearth.model.quantization.unquantized",)
+_MODULES = (
+    "hearth.model.quantization.unquantized",
+    "hearth.model.quantization.int4",
+    "hearth.model.quantization.gptq",
+    "hearth.model.quantization.awq",
+    "hearth.model.quantization.compressed_tensors",
+    "hearth.model.quantization.fp8_block",
+)
 
 
 def register_quantization_method(*names: str) -> Callable[[M], M]:
@@ -81,12 +93,13 @@ def supported_quantization_methods() -> tuple[str, ...]:
     return tuple(sorted(_METHODS))
 
 
-def get_quantization_method(name: str) -> QuantizationMethod:
-    """A new instance of the method registered as `name`; a ModelLoadError naming the known ones otherwise."""
+def get_quantization_method(name: str, quant_config: dict[str, Any] | None = None) -> QuantizationMethod:
+    """A new instance of the method registered as `name` (configured by the checkpoint's
+    `quantization_config` when given); a ModelLoadError naming the known ones otherwise."""
     _ensure_registered()
     cls = _METHODS.get(name)
     if cls is None:
         raise ModelLoadError(
             f"quantization method {name!r} is not supported; supported: {', '.join(supported_quantization_methods())}"
         )
-    return cls()
+    return cls() if quant_config is None else cls.from_config(quant_config)

@@ -36,6 +36,11 @@ class PagedKVCache(Protocol):
 
     def store(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
+    def kv_scales(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `index`'s (K, V) per-KV-head scales that stored values are multiplied by on read (FP8); None
+        when the pool stores plain values."""
+        ...
+
 
 @dataclass
 class AttentionMetadata:
@@ -160,11 +165,30 @@ class AttentionContext:
     kv_pool: PagedKVCache
 
 
+def as_copyable(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as uint8 for float8 tensors, whose dtypes lack CPU `index_copy_`/`index_select`."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def write_kv(
     k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    k_pool.index_copy_(0, slot_mapping, k.to(k_pool.dtype))
-    v_pool.index_copy_(0, slot_mapping, v.to(v_pool.dtype))
+    as_copyable(k_pool).index_copy_(0, slot_mapping, as_copyable(k.to(k_pool.dtype)))
+    as_copyable(v_pool).index_copy_(0, slot_mapping, as_copyable(v.to(v_pool.dtype)))
+
+
+def gather_pages_as(
+    pool: torch.Tensor,
+    page_ids: torch.Tensor,
+    page_size: int,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """`gather_pages` in `dtype`, dequantized by the per-KV-head `scale` when the pool holds scaled values."""
+    gathered = gather_pages(pool, page_ids, page_size)
+    if scale is None:
+        return gathered.to(dtype)
+    return (gathered.to(torch.float32) * scale.view(-1, 1)).to(dtype)
 
 
 def gather_pages(pool: torch.Tensor, page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -173,7 +197,10 @@ def gather_pages(pool: torch.Tensor, page_ids: torch.Tensor, page_size: int) -> 
     Whole pages at a time (`index_select` of page-sized rows): several times faster on CPU than a gather per slot.
     """
     num_slots, kv_heads, head_dim = pool.shape
-    rows = pool.view(num_slots // page_size, page_size * kv_heads * head_dim).index_select(
-        0, page_ids.flatten()
+    rows = (
+        as_copyable(pool)
+        .view(num_slots // page_size, page_size * kv_heads * head_dim)
+        .index_select(0, page_ids.flatten())
     )
+    rows = rows.view(pool.dtype)
     return rows.view(*page_ids.shape[:-1], page_ids.shape[-1] * page_size, kv_heads, head_dim)

@@ -1,41 +1,68 @@
 """The CPU backend: the torch reference, with decode rows through the compiled paged decode kernel.
 
-The kernel (`hearth.ops.cpu_kernels`, float32 queries and pool) reads keys and values in place from
+The kernel (`hearth.ops.cpu_kernels`, float32 queries; a float32 pool, or FP8 with per-head scales) reads keys and values in place from
 their pages; until it is built, or for other dtypes, decode rows take the torch path. The choice is
 made once per step in `prepare`, so every layer of a step runs the same code.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from hearth.kv.fp8 import is_fp8
 from hearth.ops.attention.backend import AttentionStepInput
 from hearth.ops.attention.torch_ref import TorchMetadata, TorchRefBackend
-from hearth.ops.cpu_kernels import paged_decode_attention_kernel
+from hearth.ops.cpu_kernels import paged_decode_attention_fp8_kernel, paged_decode_attention_kernel
 
 
 class CpuBackend(TorchRefBackend):
     name = "cpu"
 
+    def _kernel(self) -> Callable[..., object] | None:
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        if self.kv_dtype == torch.float32:
+            return paged_decode_attention_kernel()
+        if is_fp8(self.kv_dtype):
+            return paged_decode_attention_fp8_kernel()
+        return None
+
     def _uses_decode_kernel(self) -> bool:
-        return (
-            self.device.type == "cpu"
-            and self.dtype == torch.float32
-            and self.kv_dtype == torch.float32
-            and paged_decode_attention_kernel() is not None
-        )
+        return self._kernel() is not None
 
     def prepare(self, step_input: AttentionStepInput) -> TorchMetadata:
         md = super().prepare(step_input)
-        md.decode_kernel = paged_decode_attention_kernel() if md.decode_mask is None else None
+        md.decode_kernel = self._kernel() if md.decode_mask is None else None
         return md
 
     def _decode(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, md: TorchMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        md: TorchMetadata,
+        scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         kernel = md.decode_kernel
         if kernel is None:
-            return super()._decode(q, k_pool, v_pool, md, scale)
+            return super()._decode(q, k_pool, v_pool, md, scale, kv_scales)
+        n = md.num_decode_rows
+        if kv_scales is not None:
+            return kernel(
+                q.contiguous(),
+                k_pool,
+                v_pool,
+                kv_scales[0],
+                kv_scales[1],
+                md.page_table[:n],
+                md.seq_lens[:n],
+                md.decode_first_positions,
+                md.page_size,
+                scale,
+            )
         # The whole-width rows of the page table buffer: contiguous, and the kernel reads only the
         # pages a row's context covers.
         return kernel(

@@ -20,7 +20,7 @@ from hearth.ops.attention.backend import (
     AttentionMetadata,
     AttentionStepInput,
     PagedKVCache,
-    gather_pages,
+    gather_pages_as,
 )
 
 
@@ -103,18 +103,20 @@ class TorchRefBackend(AttentionBackend):
         if k is not None and v is not None:
             kv_pool.store(layer_index, metadata.slot_mapping, k, v)
         k_pool, v_pool = kv_pool.layer(layer_index)
+        kv_scales = kv_pool.kv_scales(layer_index)
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         if metadata.num_decode_rows == q.shape[0]:  # a pure decode step: no copy into an output buffer
-            return self._decode(q, k_pool, v_pool, metadata, scale)
+            return self._decode(q, k_pool, v_pool, metadata, scale, kv_scales)
         out = torch.empty_like(q)
         n = metadata.num_decode_rows
         if n:
-            out[:n] = self._decode(q[:n], k_pool, v_pool, metadata, scale)
+            out[:n] = self._decode(q[:n], k_pool, v_pool, metadata, scale, kv_scales)
         page_size = metadata.page_size
         enable_gqa = q.shape[1] != k_pool.shape[1]
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            keys = gather_pages(k_pool, chunk.page_ids, page_size)[: chunk.context_len].to(q.dtype)
-            values = gather_pages(v_pool, chunk.page_ids, page_size)[: chunk.context_len].to(q.dtype)
+            keys = gather_pages_as(k_pool, chunk.page_ids, page_size, q.dtype, k_scale)[: chunk.context_len]
+            values = gather_pages_as(v_pool, chunk.page_ids, page_size, q.dtype, v_scale)[: chunk.context_len]
             attended = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0),
@@ -128,13 +130,21 @@ class TorchRefBackend(AttentionBackend):
         return out
 
     def _decode(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, md: TorchMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        md: TorchMetadata,
+        scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One query token per row: gather each row's pages, then one masked SDPA over the batch."""
+        """One query token per row: gather each row's pages (dequantized by `kv_scales` when the pool holds
+        FP8), then one masked SDPA over the batch."""
         assert md.decode_mask is not None
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         table = md.page_table[: md.num_decode_rows, : md.page_table_width]
-        keys = gather_pages(k_pool, table, md.page_size).to(q.dtype)
-        values = gather_pages(v_pool, table, md.page_size).to(q.dtype)
+        keys = gather_pages_as(k_pool, table, md.page_size, q.dtype, k_scale)
+        values = gather_pages_as(v_pool, table, md.page_size, q.dtype, v_scale)
         # Slots past a row's context may hold anything (the pool is never cleared, and fresh memory can
         # be NaN); a masked NaN still poisons SDPA's sums, so those slots are zeroed in the gathered copy.
         outside = ~md.decode_mask[:, :, None, None]

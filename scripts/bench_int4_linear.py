@@ -1,0 +1,56 @@
+"""INT4 vs bf16 skinny linear kernels per weight shape, interleaved; the fastest of `--rounds` rounds per side
+(on a shared machine the minimum is the least disturbed run).
+
+    TORCH_EXTENSIONS_DIR=/tmp/k python scripts/bench_int4_linear.py --shapes 2816x512 32000x512 --rows 1 4 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from hearth.ops import cpu_kernels
+from hearth.ops.int4 import int4_linear, make_int4_weights, quantize_rtn
+from hearth.ops.linear import linear, prepare_linear_weights
+
+
+def timed(fn, repeats: int) -> float:
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=["1024x512", "2816x512", "512x1408", "32000x512"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cpu_kernels.paged_decode_attention_kernel(wait=True)
+    print("| out x in | rows | bf16 us | int4 us | bf16 / int4 |")
+    print("|---|---|---|---|---|")
+    for shape in args.shapes:
+        out, k = map(int, shape.split("x"))
+        weight = torch.randn(out, k).to(torch.bfloat16).float()
+        dense = prepare_linear_weights(weight)
+        q, scales, zeros = quantize_rtn(weight, 128)
+        int4 = make_int4_weights(q, scales, zeros, 128)
+        for rows in args.rows:
+            x = torch.randn(rows, k)
+            repeats = max(3, int(2e7 / (out * k)))
+            bf16_s, int4_s = [], []
+            for _ in range(args.rounds):
+                bf16_s.append(timed(lambda x=x, dense=dense: linear(x, dense, None), repeats))
+                int4_s.append(timed(lambda x=x, int4=int4: int4_linear(x, int4, None), repeats))
+            b, i = min(bf16_s) * 1e6, min(int4_s) * 1e6
+            print(f"| {shape} | {rows} | {b:.0f} | {i:.0f} | {b / i:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

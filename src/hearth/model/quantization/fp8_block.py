@@ -1,0 +1,83 @@
+"""FP8 block-scaled weights (`quant_method == "fp8"` with `weight_block_size`, the DeepSeek-V3 / Kimi K2
+format): `weight` float8_e4m3fn `[out, in]` and `weight_scale_inv` float32 `[ceil(out / bo), ceil(in / bi)]`,
+`w = weight * weight_scale_inv[o // bo, i // bi]`.
+
+This CPU has no FP8 math, so each layer is dequantized once at load, block by block, into the dense
+layouts of the unquantized path (`hearth.ops.linear`). The checkpoint loads and runs; its memory saving
+does not carry over (INT4 on top of it does: `--quantization int4`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hearth.model.config import ModelLoadError
+from hearth.model.quantization.int4 import add_param
+from hearth.model.quantization.registry import QuantizationMethod, register_quantization_method
+from hearth.model.quantization.unquantized import UnquantizedLinearMethod
+from hearth.model.weights import ShardId
+
+if TYPE_CHECKING:
+    from hearth.model.layers import Linear
+
+
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """float32 `[out, in]` from an FP8 `weight` and its per-block `scale_inv`."""
+    out, k = weight.shape
+    scales = (
+        scale_inv.float().repeat_interleave(block[0], dim=0)[:out].repeat_interleave(block[1], dim=1)[:, :k]
+    )
+    return weight.float() * scales
+
+
+@register_quantization_method("fp8")
+class Fp8BlockLinearMethod(QuantizationMethod):
+    def __init__(self, block: tuple[int, int] = (128, 128)) -> None:
+        self.block = block
+
+    @classmethod
+    def from_config(cls, quant_config: dict[str, Any]) -> Fp8BlockLinearMethod:
+        block = quant_config.get("weight_block_size")
+        if not block or len(block) != 2:
+            raise ModelLoadError("FP8 weights without weight_block_size (per-tensor FP8) are not supported")
+        if quant_config.get("fmt", "e4m3") != "e4m3":
+            raise ModelLoadError(f"FP8 weights in {quant_config.get('fmt')!r} are not supported (e4m3 only)")
+        return cls((int(block[0]), int(block[1])))
+
+    def create_weights(
+        self, layer: Linear, input_size: int, output_size: int, params_dtype: torch.dtype
+    ) -> None:
+        if layer.tp.size > 1:
+            raise ModelLoadError("FP8 block weights across tensor-parallel ranks are not supported yet")
+        add_param(layer, "weight", (output_size, input_size), torch.float8_e4m3fn, output_dim=0, input_dim=1)
+        layer.fp8_block_scales = {}
+
+        def load_scale(param: torch.nn.Parameter, loaded: torch.Tensor, shard: ShardId | None = None) -> None:
+            # Each part of a fused layer (q/k/v) has its own block grid: kept per part, applied per part.
+            layer.fp8_block_scales[shard] = loaded.float()
+
+        add_param(layer, "weight_scale_inv", (1,), torch.float32, weight_loader=load_scale)
+
+    def process_after_loading(self, layer: Linear) -> None:
+        weight = layer.weight.data
+        dense = torch.empty(
+            weight.shape, dtype=torch.get_default_dtype() if weight.device.type != "cpu" else torch.float32
+        )
+        for shard_id, shard in layer.output_shards.items():
+            scale_inv = layer.fp8_block_scales.get(shard_id)
+            if scale_inv is None:
+                raise ModelLoadError(f"FP8 weights: no weight_scale_inv for part {shard_id!r}")
+            rows = slice(shard.local_offset, shard.local_offset + shard.size)
+            dense[rows] = dequantize_fp8_blocks(weight[rows], scale_inv, self.block)
+        del layer.weight, layer.weight_scale_inv
+        layer.fp8_block_scales = {}
+        layer.weight = torch.nn.Parameter(dense, requires_grad=False)
+        self._dense = UnquantizedLinearMethod()
+        self._dense.process_after_loading(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return UnquantizedLinearMethod.apply(self._dense, layer, x, bias)
