@@ -30,6 +30,10 @@ class EngineConfig:
     load_progress: bool = False
     device: str = "auto"
     kv_cache_dtype: str = "auto"
+    kv_offload_memory_gib: float = 0.0
+    kv_disk_dir: str | None = None
+    kv_disk_size_gib: float = 16.0
+    kv_store: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -43,6 +47,12 @@ class EngineConfig:
             raise ValueError("page_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.kv_offload_memory_gib < 0 or self.kv_disk_size_gib <= 0:
+            raise ValueError("kv_offload_memory_gib must be >= 0 and kv_disk_size_gib > 0")
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return bool(self.kv_offload_memory_gib > 0 or self.kv_disk_dir or self.kv_store)
 
     @property
     def model_name(self) -> str:
@@ -101,6 +111,24 @@ class EngineConfig:
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
         group.add_argument(
             "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)"
+        )
+        group.add_argument(
+            "--kv-offload-memory",
+            dest="kv_offload_memory_gib",
+            type=float,
+            default=0.0,
+            help="host RAM for KV pages evicted from the device cache, GiB (0: none)",
+        )
+        group.add_argument(
+            "--kv-disk-dir", default=None, help="directory for a local-disk KV tier (survives restarts)"
+        )
+        group.add_argument(
+            "--kv-disk-size", dest="kv_disk_size_gib", type=float, default=16.0, help="disk KV tier size, GiB"
+        )
+        group.add_argument(
+            "--kv-store",
+            default=None,
+            help="cluster-shared KV store: redis://host:port[/db] or mooncake://master:port?metadata=URL",
         )
 
     @classmethod

@@ -49,6 +49,9 @@ logger = logging.getLogger("hearth.engine")
 # (a long prompt's prefill chunks).
 STATS_INTERVAL_S = 0.5
 PARENT_POLL_INTERVAL_S = 0.5
+# While the only requests wait for KV from elsewhere (a tier, a peer), the loop sleeps this long between
+# polls of the loads instead of spinning (a load's arrival is noticed at most this late).
+KV_WAIT_POLL_MS = 1
 # How long the last messages (the outputs of a shutdown, a load failure) may take to reach the API process.
 FINAL_SEND_LINGER_MS = 5000
 
@@ -73,6 +76,8 @@ class EngineCoreLoop:
         while self._shutdown is None:
             if not engine.has_work:
                 inbox.poll()  # idle: sleep until a message comes
+            elif engine.only_waiting_for_kv:
+                inbox.poll(KV_WAIT_POLL_MS)
             if inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._drain()
                 if self._shutdown is not None:
@@ -211,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     EngineCoreLoop(engine, inbox, outbox).run()
+    engine.close()
     inbox.close(linger=0)
     outbox.close(linger=FINAL_SEND_LINGER_MS)
     context.term()

@@ -21,6 +21,7 @@ from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
+from hearth.engine.tier_connector import TierConnector
 from hearth.engine.worker import StepOutput, Worker
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.prefix_keys import root_key
@@ -79,6 +80,18 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def only_waiting_for_kv(self) -> bool:
+        """Nothing can run until KV arrives from elsewhere: a loop should wait a little, not spin."""
+        scheduler = self.scheduler
+        if not scheduler.waiting_for_kv or scheduler.running:
+            return False
+        return not scheduler.waiting or len(scheduler.waiting_for_kv) >= scheduler.max_num_seqs
+
+    def close(self) -> None:
+        """Stop the KV connectors' threads (queued tier writes get a moment to finish)."""
+        self.kv_loads.close()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -224,6 +237,9 @@ class Engine:
             cached_tokens_total=self._totals["cached"],
             generation_tokens_total=self._totals["generated"],
             num_preemptions_total=self._totals["preempted"],
+            kv_tiers=tier.tier_stats()
+            if isinstance(tier := self.kv_loads.connectors.get("tier"), TierConnector)
+            else [],
         )
 
 

@@ -10,6 +10,7 @@ import time
 
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
+from hearth.engine.kv_connector import KVConnector
 from hearth.engine.scheduler import Scheduler
 from hearth.engine.structured_output import StructuredOutputManager
 from hearth.engine.worker import Worker, kv_layout_for
@@ -45,6 +46,9 @@ def build_engine(config: EngineConfig) -> Engine:
     worker = Worker(
         config, model_config, dtype, layout, num_pages, max_model_len, sample_vocab, eos_token_ids
     )
+    kv_connectors: list[KVConnector] = []
+    if config.kv_tiers_enabled and config.enable_prefix_caching:
+        kv_connectors.append(_tier_connector(config, kv, worker.kv_pool, layout.describe()))
     engine = Engine(
         config=config,
         model_config=model_config,
@@ -57,6 +61,7 @@ def build_engine(config: EngineConfig) -> Engine:
         kv_layout_tag=layout.describe(),
         max_model_len=max_model_len,
         num_kv_tokens=num_kv_tokens,
+        kv_connectors=kv_connectors,
     )
     logger.info(
         "KV cache on %s: %d pages x %d tokens = %d tokens (%.2f GiB, %s); max model len %d; ready in %.1f s",
@@ -70,6 +75,23 @@ def build_engine(config: EngineConfig) -> Engine:
         time.perf_counter() - started,
     )
     return engine
+
+
+def _tier_connector(config: EngineConfig, kv: KVCacheManager, pool: KVPool, layout_tag: str) -> KVConnector:
+    """The KV tiers below the device (host RAM, disk, cluster store), hooked into the KV manager."""
+    from hearth.engine.tier_connector import TierConnector
+    from hearth.kv.tiers import PageSpec, TierStack, build_tiers
+
+    sample = pool.read_pages([0])  # pages move as the pool's raw storage, whatever its dtype
+    spec = PageSpec(layout_tag, sample.dtype, tuple(sample.shape))
+    tiers = build_tiers(
+        spec, config.kv_offload_memory_gib, config.kv_disk_dir, config.kv_disk_size_gib, config.kv_store
+    )
+    stack = TierStack(tiers, pool)
+    kv.on_evict = stack.on_evict
+    kv.lookup = stack.lookup
+    logger.info("KV tiers below the device: %s", ", ".join(tier.name for tier in tiers))
+    return TierConnector(stack, config.page_size)
 
 
 def resolve_max_model_len(model_config: ModelConfig, requested: int | None, num_kv_tokens: int) -> int:

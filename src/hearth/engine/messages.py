@@ -13,6 +13,7 @@ import msgspec
 
 from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.sampling_params import SamplingParams
+from hearth.kv.tiers.stats import TierStats
 
 
 class EngineRequest(msgspec.Struct, tag=True, omit_defaults=True):
@@ -70,6 +71,7 @@ class EngineStats(msgspec.Struct):
     cached_tokens_total: int
     generation_tokens_total: int
     num_preemptions_total: int
+    kv_tiers: list[TierStats] = msgspec.field(default_factory=list)  # per tier below the device
 
 
 class ShutdownCore(msgspec.Struct, tag=True):
