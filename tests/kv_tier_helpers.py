@@ -78,13 +78,3 @@ class RedisServer:
             self.process.kill()
             self.process.wait(timeout=10)
             self.process = None
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path):
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
