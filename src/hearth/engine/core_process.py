@@ -52,6 +52,9 @@ PARENT_POLL_INTERVAL_S = 0.5
 # While the only requests wait for KV from elsewhere (a tier, a peer), the loop sleeps this long between
 # polls of the loads instead of spinning (a load's arrival is noticed at most this late).
 KV_WAIT_POLL_MS = 1
+# Idle with KV connectors (tiers write back in the background): stats still go out this often, so
+# /metrics sees writes that land after the last request.
+IDLE_STATS_INTERVAL_MS = 1000
 # How long the last messages (the outputs of a shutdown, a load failure) may take to reach the API process.
 FINAL_SEND_LINGER_MS = 5000
 
@@ -75,7 +78,8 @@ class EngineCoreLoop:
         inbox = self._inbox
         while self._shutdown is None:
             if not engine.has_work:
-                inbox.poll()  # idle: sleep until a message comes
+                # idle: sleep until a message comes (or, with connectors at work, until stats are due)
+                inbox.poll(IDLE_STATS_INTERVAL_MS if engine.kv_loads.connectors else None)
             elif engine.only_waiting_for_kv:
                 inbox.poll(KV_WAIT_POLL_MS)
             if inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
