@@ -103,7 +103,7 @@ class TierStack:
         if until is None:
             return False
         if time.monotonic() >= until:
-            del self._down_until[tier.name]
+            self._down_until.pop(tier.name, None)  # the loader and writer threads may both get here
             logger.info("KV tier %s: trying again", tier.name)
             return False
         return True
