@@ -39,6 +39,9 @@ from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 class FakeEngine:
     """One page per running request; each step gives every request the token `100 + its step count`."""
 
+    has_kv_connectors = False  # nothing arrives from a tier or a peer here
+    only_waiting_for_kv = False
+
     def __init__(self) -> None:
         self.running: dict[str, tuple[EngineRequest, int]] = {}
         self.fail_next_step = False

@@ -79,7 +79,7 @@ class EngineCoreLoop:
         while self._shutdown is None:
             if not engine.has_work:
                 # idle: sleep until a message comes (or, with connectors at work, until stats are due)
-                inbox.poll(IDLE_STATS_INTERVAL_MS if engine.kv_loads.connectors else None)
+                inbox.poll(IDLE_STATS_INTERVAL_MS if engine.has_kv_connectors else None)
             elif engine.only_waiting_for_kv:
                 inbox.poll(KV_WAIT_POLL_MS)
             if inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:

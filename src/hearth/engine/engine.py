@@ -89,6 +89,11 @@ class Engine:
             return False
         return not scheduler.waiting or len(scheduler.waiting_for_kv) >= scheduler.max_num_seqs
 
+    @property
+    def has_kv_connectors(self) -> bool:
+        """KV comes from (and goes to) elsewhere: tiers or peers work in the background."""
+        return bool(self.kv_loads.connectors)
+
     def close(self) -> None:
         """Stop the KV connectors' threads (queued tier writes get a moment to finish)."""
         self.kv_loads.close()
