@@ -1,11 +1,18 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Triton kernels run under the interpreter where there is no GPU; Triton reads this when a kernel is
+# defined, so it must be set before any `hearth.ops.triton` module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import make_tiny_model  # noqa: E402
 

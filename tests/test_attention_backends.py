@@ -11,22 +11,31 @@ from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionBackend, available_backends, get_backend, select_backend
 from hearth.ops.attention.cpu import CpuBackend
 from hearth.ops.attention.torch_ref import TorchRefBackend
+from hearth.ops.triton import triton_available
+
+
+def _triton_backend() -> type[AttentionBackend]:
+    pytest.importorskip("triton")
+    return get_backend("triton")
+
 
 PAGE_SIZE = 4
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
 
 def test_registry_selects_by_device_and_honours_the_override(monkeypatch):
-    assert {"cpu", "torch_ref"} <= set(available_backends())
+    assert {"cpu", "torch_ref", "triton"} <= set(available_backends())
     monkeypatch.delenv("HEARTH_ATTENTION_BACKEND", raising=False)
     assert select_backend("cpu") is CpuBackend
-    assert select_backend("cuda") is TorchRefBackend
+    assert select_backend("cuda").name == ("triton" if triton_available() else "torch_ref")
     assert select_backend("meta") is TorchRefBackend
     monkeypatch.setenv("HEARTH_ATTENTION_BACKEND", "torch_ref")
     assert select_backend("cpu") is TorchRefBackend
     assert select_backend("cpu", override="cpu") is CpuBackend
-    with pytest.raises(ValueError, match="unknown attention backend 'triton'.*registered: cpu, torch_ref"):
-        get_backend("triton")
+    with pytest.raises(
+        ValueError, match="unknown attention backend 'flash'.*registered: cpu, torch_ref, triton"
+    ):
+        get_backend("flash")
 
 
 def make_step(rows: list[tuple[int, int]], page_tables: list[list[int]]) -> StepInput:
@@ -78,9 +87,13 @@ MIXED_ROWS = [(9, 1), (3, 1), (14, 1), (7, 7), (13, 5), (6, 2)]  # decodes, a wh
 MIXED_PAGES = [[5, 2, 11], [8], [0, 14, 3, 9], [4, 15], [1, 6, 12, 13], [7, 10]]
 
 
-@pytest.mark.parametrize("backend_cls", [TorchRefBackend, CpuBackend])
+@pytest.mark.parametrize(
+    "backend_cls", [TorchRefBackend, CpuBackend, pytest.param(_triton_backend, marks=pytest.mark.triton)]
+)
 @pytest.mark.parametrize("window", [None, 5])
 def test_backend_stores_new_kv_and_attends_like_the_reference(backend_cls, window):
+    if backend_cls is _triton_backend:
+        backend_cls = _triton_backend()
     cpu_kernels.paged_decode_attention_kernel(
         wait=True
     )  # the CPU backend's decode rows take the kernel if it builds

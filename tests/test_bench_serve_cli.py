@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 PYTHON = sys.executable
@@ -116,7 +117,11 @@ def test_ctrl_c_still_prints_and_writes_the_summary(fake_server_url, tmp_path):
          "--result-dir", str(tmp_path), "--no-plots"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
     )  # fmt: skip
-    time.sleep(3.0)  # startup plus a couple of seconds of requests
+    deadline = time.monotonic() + 60  # startup is slow on a loaded machine: wait for real traffic
+    while httpx.get(f"{fake_server_url}/v1/models").json()["num_requests"] < 5:
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.2)
+    time.sleep(1.0)  # the first requests complete (each streams for ~0.3 s)
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=30)
     assert process.returncode == 130, stderr

@@ -146,7 +146,11 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+    # `num_requests` lets tests wait for traffic instead of sleeping a guessed time.
+    num_requests = request.app[STATE_KEY].num_requests
+    return web.json_response(
+        {"object": "list", "data": [{"id": "fake", "object": "model"}], "num_requests": num_requests}
+    )
 
 
 def make_app(config: FakeServerConfig) -> web.Application:

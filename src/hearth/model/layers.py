@@ -20,6 +20,7 @@ from hearth.model.weights import ShardId, TPRank, WeightShapeError, divide, set_
 from hearth.ops.attention import AttentionContext
 from hearth.ops.cpu_kernels import rms_norm_kernel, rotary_write_kv_kernel
 from hearth.ops.linear import LinearWeights
+from hearth.ops.triton import use_triton_kernels
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -242,6 +243,10 @@ class RMSNorm(nn.Module):
         return self._norm(summed), summed
 
     def _kernel_for(self, x: torch.Tensor) -> Callable[..., Any] | None:
+        if use_triton_kernels(x) and x.dim() == 2 and x.is_contiguous():
+            from hearth.ops.triton.elementwise import rms_norm
+
+            return rms_norm
         if (
             x.dtype != torch.float32
             or x.device.type != "cpu"
@@ -307,6 +312,20 @@ class Attention(nn.Module):
         """Rotated queries `[tokens, heads, head_dim]` and keys, and the values. On CPU in float32 the
         fused kernel writes keys and values to their pool slots itself and returns (q, None, None)."""
         k_pool, v_pool = kv
+        if (
+            self.q_norm is None
+            and use_triton_kernels(qkv)
+            and qkv.is_contiguous()
+            and cos.shape[-1] * 2 == self.head_dim  # rotary over the whole head
+            and k_pool.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ):
+            from hearth.ops.triton.elementwise import rotary_write_kv
+
+            return (
+                rotary_write_kv(qkv, cos, sin, self.num_heads, k_pool, v_pool, ctx.metadata.slot_mapping),
+                None,
+                None,
+            )
         fused = rotary_write_kv_kernel() if self.q_norm is None else None
         if (
             fused is not None
@@ -337,9 +356,15 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, options)
         self.intermediate_size = self.gate_up_proj.output_shards[0].size  # this rank's
         self.act = ACTIVATIONS[config.hidden_act]
+        self.is_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.is_silu and gate_up.dim() == 2 and use_triton_kernels(gate_up):
+            from hearth.ops.triton.elementwise import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

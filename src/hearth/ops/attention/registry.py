@@ -1,9 +1,10 @@
 """Attention backends by name, imported only when chosen.
 
-Built in: `cpu` (the torch reference with the compiled CPU decode kernel) and `torch_ref` (plain torch, any
-device). A worker takes `select_backend(device)`: `cpu` on a CPU, `torch_ref` elsewhere, unless the
-environment variable `HEARTH_ATTENTION_BACKEND` names another registered backend. New backends (Triton,
-FP8 or MLA variants) call `register_backend(name, loader)` with a loader that imports and returns the class.
+Built in: `cpu` (the torch reference with the compiled CPU decode kernel), `triton` (Triton kernels over
+the pool in place) and `torch_ref` (plain torch, any device). A worker takes `select_backend(device)`:
+`cpu` on a CPU, `triton` on a GPU when Triton is installed (else `torch_ref`), unless the environment
+variable `HEARTH_ATTENTION_BACKEND` names another registered backend. New backends (FP8 or MLA variants)
+call `register_backend(name, loader)` with a loader that imports and returns the class.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from hearth.ops.attention.backend import AttentionBackend
+from hearth.ops.triton import triton_available
 
 ENV_VAR = "HEARTH_ATTENTION_BACKEND"
 
@@ -41,16 +43,27 @@ def get_backend(name: str) -> type[AttentionBackend]:
 
 def select_backend(device: torch.device | str, override: str | None = None) -> type[AttentionBackend]:
     """`override`, else `$HEARTH_ATTENTION_BACKEND`, else the device's default."""
-    name = (
-        override or os.environ.get(ENV_VAR) or ("cpu" if torch.device(device).type == "cpu" else "torch_ref")
-    )
-    return get_backend(name)
+    return get_backend(override or os.environ.get(ENV_VAR) or _default_backend(torch.device(device)))
+
+
+def _default_backend(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda" and triton_available():
+        return "triton"
+    return "torch_ref"
 
 
 def _cpu() -> type[AttentionBackend]:
     from hearth.ops.attention.cpu import CpuBackend
 
     return CpuBackend
+
+
+def _triton() -> type[AttentionBackend]:
+    from hearth.ops.attention.triton import TritonBackend
+
+    return TritonBackend
 
 
 def _torch_ref() -> type[AttentionBackend]:
@@ -61,3 +74,4 @@ def _torch_ref() -> type[AttentionBackend]:
 
 register_backend("cpu", _cpu)
 register_backend("torch_ref", _torch_ref)
+register_backend("triton", _triton)
