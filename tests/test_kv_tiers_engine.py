@@ -19,7 +19,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0)
 PAGE = 16
 
 
-@pytest.fixture(autouse=True)
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path)
@@ -30,6 +29,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         server.stop()
 
 
+@pytest.fixture(autouse=True)
 def _torch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     # The compiled CPU kernels load in the background and may take over mid-test; the torch paths
     # keep every answer of a test on one code path (tiers move bytes, not arithmetic).
