@@ -67,7 +67,7 @@ def start_servers(args, work: Path, count: int, extra: list[str]) -> list[Server
         servers.append(server.start())
         LIVE.append(server)
     for server in servers:
-        server.wait_ready()
+        server.wait_ready(timeout_s=900)  # a loaded shared machine can take minutes
     return servers
 
 
@@ -91,6 +91,41 @@ def run_bench(args, url: str, label: str, work: Path, affinity_share: float) -> 
     }
 
 
+def one_server_runs(args, work: Path, results: dict, bytes_per_page: int, page_size: int) -> None:
+    (server,) = start_servers(
+        args, work, 1, ["--kv-cache-memory", "0.25", "--kv-disk-dir", str(work / "count")]
+    )
+    results["unbounded"] = run_bench(args, server.url, "unbounded", work, 0.0)
+    time.sleep(1.0)  # the write-through settles
+    ws_pages = int(metric(server.url, "kv_tier_stored_pages", 'tier="disk"'))
+    server.stop()
+    quarter_gib = max(ws_pages // 4, 1) * bytes_per_page / GIB
+    results["working_set"] = {
+        "pages": ws_pages,
+        "tokens": ws_pages * page_size,
+        "device_pool_pages": ws_pages // 4,
+    }
+
+    (server,) = start_servers(args, work, 1, ["--kv-cache-memory", f"{quarter_gib:.9f}"])
+    results["small"] = run_bench(args, server.url, "small", work, 0.0)
+    server.stop()
+
+    tiers = [
+        "--kv-offload-memory",
+        f"{quarter_gib:.9f}",
+        "--kv-disk-dir",
+        str(work / "disk"),
+        "--kv-disk-size",
+        "1",
+    ]
+    (server,) = start_servers(args, work, 1, ["--kv-cache-memory", f"{quarter_gib:.9f}", *tiers])
+    results["small+host+disk"] = run_bench(args, server.url, "small-tiers", work, 0.0)
+    results["small+host+disk"]["hits"] = {
+        tier: metric(server.url, "kv_tier_hit_pages_total", f'tier="{tier}"') for tier in ("host", "disk")
+    }
+    server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="models/demo")
@@ -104,6 +139,9 @@ def main() -> None:
     parser.add_argument("--think-time-s", type=float, default=0.5)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", default="bench-results/kv-tiers-agentic.json")
+    parser.add_argument(
+        "--only-two-servers", action="store_true", help="just the affinity and round_robin+redis runs"
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hearth-kv-agentic-"))
     bytes_per_page, page_size = page_bytes(args.model)
@@ -113,36 +151,6 @@ def main() -> None:
         (server,) = start_servers(
             args, work, 1, ["--kv-cache-memory", "0.25", "--kv-disk-dir", str(work / "count")]
         )
-        results["unbounded"] = run_bench(args, server.url, "unbounded", work, 0.0)
-        time.sleep(1.0)  # the write-through settles
-        ws_pages = int(metric(server.url, "kv_tier_stored_pages", 'tier="disk"'))
-        server.stop()
-        quarter_gib = max(ws_pages // 4, 1) * bytes_per_page / GIB
-        results["working_set"] = {
-            "pages": ws_pages,
-            "tokens": ws_pages * page_size,
-            "device_pool_pages": ws_pages // 4,
-        }
-
-        (server,) = start_servers(args, work, 1, ["--kv-cache-memory", f"{quarter_gib:.9f}"])
-        results["small"] = run_bench(args, server.url, "small", work, 0.0)
-        server.stop()
-
-        tiers = [
-            "--kv-offload-memory",
-            f"{quarter_gib:.9f}",
-            "--kv-disk-dir",
-            str(work / "disk"),
-            "--kv-disk-size",
-            "1",
-        ]
-        (server,) = start_servers(args, work, 1, ["--kv-cache-memory", f"{quarter_gib:.9f}", *tiers])
-        results["small+host+disk"] = run_bench(args, server.url, "small-tiers", work, 0.0)
-        results["small+host+disk"]["hits"] = {
-            tier: metric(server.url, "kv_tier_hit_pages_total", f'tier="{tier}"') for tier in ("host", "disk")
-        }
-        server.stop()
-
         redis_port = free_port()
         redis_process = subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
