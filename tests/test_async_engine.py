@@ -123,3 +123,15 @@ async def test_stats_come_from_the_core_and_count_generated_tokens(engine):
     stats = await _wait_idle(engine)
     assert stats.generation_tokens_total >= before + 5
     assert stats.kv_pages_total * 4 == engine.num_kv_tokens
+
+
+def test_core_environment_bounds_allocator_and_onednn_state(monkeypatch) -> None:
+    from hearth.engine.async_engine import _core_environment
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")  # the user's own setting wins
+    env = _core_environment()
+    assert env["MALLOC_ARENA_MAX"] == "2"
+    assert int(env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) <= 64
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "4096"

@@ -137,3 +137,16 @@ def test_bench_serve_does_not_import_torch_or_matplotlib_up_front():
     )
     proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
     assert proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_without_matplotlib_the_run_completes_without_plots_and_says_so_up_front(fake_server_url, tmp_path):
+    # matplotlib blocked as if the [bench] extra were not installed.
+    script = (
+        "import sys; sys.modules['matplotlib'] = None; from hearth.cli import main; "
+        f"sys.exit(main(['bench', 'serve', '--base-url', {fake_server_url!r}, '--model', 'm', "
+        f"'--num-prompts', '4', '--result-dir', {str(tmp_path)!r}, '--label', 'np']))"
+    )
+    proc = subprocess.run([PYTHON, "-c", script], capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "matplotlib is not installed" in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "np.md").stat().st_size > 0 and not list(tmp_path.glob("*.png"))

@@ -172,10 +172,22 @@ def test_normalize_joins_text_parts_and_parses_tool_arguments() -> None:
 
 def test_template_kwargs_cannot_replace_the_conversation() -> None:
     template = ChatTemplate("{{ messages | length }}{{ enable_thinking }}")
-    text = template.render(
-        [{"role": "user", "content": "x"}], template_kwargs={"messages": [1, 2, 3], "enable_thinking": True}
-    )
+    text = template.render([{"role": "user", "content": "x"}], template_kwargs={"enable_thinking": True})
     assert text == "1True"
+    with pytest.raises(ChatTemplateError, match="messages"):
+        template.render([{"role": "user", "content": "x"}], template_kwargs={"messages": [1, 2, 3]})
+
+
+@pytest.mark.parametrize(
+    "name", ["raise_exception", "namespace", "bos_token", "tools", "add_generation_prompt"]
+)
+def test_template_kwargs_cannot_override_template_globals(name: str) -> None:
+    # `raise_exception: ""` would turn the template's own role checks into a silent no-op.
+    template = ChatTemplate(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok"
+    )
+    with pytest.raises(ChatTemplateError, match=name):
+        template.render([{"role": "user", "content": "x"}], template_kwargs={name: "x"})
 
 
 def test_a_template_that_trips_over_the_conversation_is_a_template_error() -> None:

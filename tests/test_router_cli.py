@@ -109,3 +109,18 @@ def test_bad_command_lines_exit_with_a_clear_message() -> None:
     sglang = cmd + ["--decode", "http://127.0.0.1:18991", "--pd-protocol", "sglang"]
     out = subprocess.run(sglang, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--prefill URL BOOTSTRAP_PORT" in out.stdout
+
+
+def test_worker_urls_takes_several_servers_beside_worker() -> None:
+    import argparse
+
+    from hearth.router.cli import add_arguments, pool_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--worker", "http://a:1", "--worker-urls", "http://b:2", "http://c:3", "--worker-urls", "http://d:4"]
+    )
+    pool = pool_from_args(args)
+    assert sorted(pool.workers) == ["http://a:1", "http://b:2", "http://c:3", "http://d:4"]
+    assert {worker.role for worker in pool.workers.values()} == {"mixed"}

@@ -325,3 +325,26 @@ def test_bad_shapes_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="vocab_size"):
         sampler(torch.zeros(1, VOCAB - 1), [_row()])
     assert sampler(torch.zeros(0, VOCAB), []).token_ids == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 0.7, 1.0])
+@pytest.mark.parametrize("repetition_penalty", [1e-38, 1e-3, 1e30])
+@pytest.mark.parametrize("filters", [{}, {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}])
+def test_extreme_penalties_never_pick_a_forbidden_token(
+    temperature: float, repetition_penalty: float, filters: dict
+) -> None:
+    # A grammar mask leaves a few columns allowed; huge logits after the penalty must not turn into a NaN
+    # row whose draw lands on the last (forbidden) column.
+    vocab = 64
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=generator) * 10
+    allowed = [3, 17, 40]
+    masked = torch.full_like(logits, float("-inf"))
+    masked[:, allowed] = logits[:, allowed].abs() + 1.0  # positive: divided by the penalty, so they overflow
+    params = SamplingParams(
+        max_tokens=4, temperature=temperature, repetition_penalty=repetition_penalty, **filters
+    )
+    rows = [SamplingRow(params, prompt_token_ids=allowed + [5], output_token_ids=allowed) for _ in range(4)]
+    for _ in range(20):
+        out = Sampler(vocab, {vocab - 1})(masked.clone(), rows)
+        assert all(token in allowed for token in out.token_ids), out.token_ids

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import shlex
@@ -269,7 +270,24 @@ async def _run_all(args: argparse.Namespace) -> int:
     return 130 if any(run["interrupted"] for run in runs) else 0
 
 
+def plots_available() -> bool:
+    """Whether matplotlib (the `[bench]` extra) can be imported, found without importing it."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # ValueError: a stub in sys.modules with no spec
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
+    # Checked before the benchmark, not after it: a missing optional package used to cost the whole run
+    # and end in a ModuleNotFoundError traceback while the plots were written.
+    if not args.no_plots and not plots_available():
+        print(
+            "hearth bench serve: matplotlib is not installed, so no plots will be written "
+            "(pip install 'hearth[bench]' for them, or pass --no-plots to silence this)",
+            file=sys.stderr,
+        )
+        args.no_plots = True
     try:
         return asyncio.run(_run_all(args))
     except (ValueError, FileNotFoundError) as exc:

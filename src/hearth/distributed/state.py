@@ -1,7 +1,8 @@
 """Where this process sits in tensor / pipeline / expert parallelism, and the collectives models call.
 
 Models and layers ask this module, never torch.distributed directly, so the same model code runs on
-one process (every collective is the identity) and on N ranks (`initialize` sets the groups up).
+one process (every collective is the identity) and on N ranks (`hearth.distributed.groups` sets the
+groups up and calls `set_parallel_state`).
 
 Contract:
 - `parallel_state()` is the current `ParallelState`; one process alone is `ParallelState()`.
@@ -9,10 +10,15 @@ Contract:
   when it can, and returns the result.
 - `all_reduce_ep(x)` sums over the expert-parallel group (identity with one EP rank).
 - `all_gather_tp(x, dim)` concatenates every TP rank's `x` along `dim` (identity with one TP rank).
+- `send_to_next_stage(x)` / `recv_from_previous_stage(shape, dtype, device)` move the activations
+  between pipeline stages (same TP rank, next / previous stage).
+- `COMM_BYTES` counts the payload bytes this rank sent through each kind of collective (benchmarks
+  read it to compare TP and PP traffic per token).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +38,30 @@ class ParallelState:
         """Part of the KV layout tag: pages computed under one layout never serve another."""
         return f"tp{self.tp_size}pp{self.pp_size}ep{self.ep_size}"
 
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_sampling_rank(self) -> bool:
+        """Sampling happens once: on the last pipeline stage's first tensor-parallel rank."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    def global_rank(self, pp_rank: int, tp_rank: int) -> int:
+        """Ranks are laid out TP-innermost: a TP group is consecutive ranks (one node, fast links)."""
+        return pp_rank * self.tp_size + tp_rank
+
 
 _STATE = ParallelState()
 _TP_GROUP: object | None = None
 _EP_GROUP: object | None = None
+# Payload bytes this rank put on the wire, per kind: "tp_all_reduce", "tp_all_gather", "ep_all_reduce",
+# "pp_send", "step_broadcast", "step_output".
+COMM_BYTES: Counter[str] = Counter()
 
 
 def parallel_state() -> ParallelState:
@@ -50,9 +76,15 @@ def set_parallel_state(
     _STATE, _TP_GROUP, _EP_GROUP = state, tp_group, ep_group
 
 
+def _ring_bytes(x: torch.Tensor, size: int) -> int:
+    # A ring all-reduce sends 2 (n - 1) / n of the tensor per rank; an all-gather (n - 1) chunks.
+    return 2 * (size - 1) * x.numel() * x.element_size() // size
+
+
 def all_reduce_tp(x: torch.Tensor) -> torch.Tensor:
     if _STATE.tp_size == 1:
         return x
+    COMM_BYTES["tp_all_reduce"] += _ring_bytes(x, _STATE.tp_size)
     torch.distributed.all_reduce(x, group=_TP_GROUP)
     return x
 
@@ -60,6 +92,7 @@ def all_reduce_tp(x: torch.Tensor) -> torch.Tensor:
 def all_reduce_ep(x: torch.Tensor) -> torch.Tensor:
     if _STATE.ep_size == 1:
         return x
+    COMM_BYTES["ep_all_reduce"] += _ring_bytes(x, _STATE.ep_size)
     torch.distributed.all_reduce(x, group=_EP_GROUP)
     return x
 
@@ -67,6 +100,22 @@ def all_reduce_ep(x: torch.Tensor) -> torch.Tensor:
 def all_gather_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _STATE.tp_size == 1:
         return x
+    COMM_BYTES["tp_all_gather"] += (_STATE.tp_size - 1) * x.numel() * x.element_size()
     parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
     torch.distributed.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
+
+
+def send_to_next_stage(x: torch.Tensor) -> None:
+    state = _STATE
+    COMM_BYTES["pp_send"] += x.numel() * x.element_size()
+    torch.distributed.send(x.contiguous(), state.global_rank(state.pp_rank + 1, state.tp_rank))
+
+
+def recv_from_previous_stage(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    state = _STATE
+    x = torch.empty(shape, dtype=dtype, device=device)
+    torch.distributed.recv(x, state.global_rank(state.pp_rank - 1, state.tp_rank))
+    return x

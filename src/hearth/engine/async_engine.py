@@ -97,6 +97,9 @@ class AsyncEngine:
             ],
             stdin=subprocess.DEVNULL,
             env=_core_environment(),
+            # Its own session: a terminal's Ctrl-C reaches only this process, which stops the core in
+            # order (a SIGINT to both killed the core mid-import with a traceback while the model loaded).
+            start_new_session=True,
         )
         logger.info(
             "engine core process started (pid %d, %d torch threads)",
@@ -179,13 +182,13 @@ class AsyncEngine:
                 self._processor.abort(request_id, "aborted by the client")
                 self._send(AbortRequests([request_id], "aborted by the client"))
 
-    async def abort(self, request_id: str) -> None:
-        """Ends the request's stream now with an "abort" output; the core frees its pages."""
-        output = self._processor.abort(request_id, "aborted by the client")
+    async def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
+        """Ends the request's stream now with an "abort" output saying `reason`; the core frees its pages."""
+        output = self._processor.abort(request_id, reason)
         queue = self._streams.pop(request_id, None)
         if queue is not None and output is not None:
             queue.put_nowait(output)
-        self._send(AbortRequests([request_id], "aborted by the client"))
+        self._send(AbortRequests([request_id], reason))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stops the core (what still runs ends with "abort") and waits for it to exit; idempotent."""
@@ -360,7 +363,24 @@ def _core_environment() -> dict[str, str]:
     """
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if env.get("HEARTH_CORE_MEMORY_DEFAULTS", "1") != "0":  # 0: glibc's and oneDNN's own defaults (A/B runs)
+        for name, value in CORE_MEMORY_ENVIRONMENT.items():
+            env.setdefault(name, value)
     return env
+
+
+# Keep the core's RSS flat under a long mixed load (issue 19: x1.7-1.8 after warm-up without these).
+# glibc raises its mmap threshold after each large free until activations of every batch size live in
+# the heap, fragmented and never returned; a fixed threshold sends them back to the OS when freed, and
+# two arenas bound the per-thread heaps OpenMP threads would each grow. oneDNN keeps a primitive (and its
+# scratch memory) per matmul shape, and every new token count is a new shape: its cache is bounded to the
+# few dozen shapes a step mix reuses. Each can be overridden from the environment.
+CORE_MEMORY_ENVIRONMENT = {
+    "MALLOC_ARENA_MAX": "2",
+    "MALLOC_MMAP_THRESHOLD_": str(1024 * 1024),
+    "MALLOC_TRIM_THRESHOLD_": str(4 * 1024 * 1024),
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64",
+}
 
 
 def _describe_exit(code: int) -> str:

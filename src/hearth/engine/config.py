@@ -30,6 +30,14 @@ class EngineConfig:
     load_progress: bool = False
     device: str = "auto"
     kv_cache_dtype: str = "auto"
+    # Parallelism (hearth.distributed): ranks = tensor x pipeline parallel size, over `nnodes` hosts.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None on one node: a free port is picked
     kv_offload_memory_gib: float = 0.0
     kv_disk_dir: str | None = None
     kv_disk_size_gib: float = 16.0
@@ -47,6 +55,13 @@ class EngineConfig:
             raise ValueError("page_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        from hearth.distributed.topology import ParallelConfig  # torch-free: checks sizes and nodes
+
+        ParallelConfig(
+            self.tensor_parallel_size, self.pipeline_parallel_size, self.expert_parallel, self.nnodes, self.node_rank
+        )
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("with nnodes > 1, master_port (and master_addr) must name node 0's rendezvous port")
         if self.kv_offload_memory_gib < 0 or self.kv_disk_size_gib <= 0:
             raise ValueError("kv_offload_memory_gib must be >= 0 and kv_disk_size_gib > 0")
 
@@ -111,6 +126,24 @@ class EngineConfig:
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
         group.add_argument(
             "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)"
+        )
+        parallel = parser.add_argument_group("parallelism (hearth.distributed)")
+        parallel.add_argument(
+            "--tensor-parallel-size", "-tp", type=int, default=1, help="ranks that split every layer (by heads)"
+        )
+        parallel.add_argument(
+            "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages (ranks holding consecutive layers)"
+        )
+        parallel.add_argument(
+            "--expert-parallel",
+            action="store_true",
+            help="MoE models: each tensor-parallel rank holds whole experts (a 1/N share of them) instead of a slice of each",
+        )
+        parallel.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span (as torchrun)")
+        parallel.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 serves the API")
+        parallel.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for the rendezvous")
+        parallel.add_argument(
+            "--master-port", type=int, default=None, help="node 0's rendezvous port (default on one node: a free one)"
         )
         group.add_argument(
             "--kv-offload-memory",

@@ -5,9 +5,11 @@ Everything that decides *what* the engine is happens here, once; `Engine` is onl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
+from hearth.distributed.topology import ParallelConfig
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
 from hearth.engine.kv_connector import KVConnector
@@ -27,6 +29,16 @@ GIB = 1 << 30
 
 def build_engine(config: EngineConfig) -> Engine:
     started = time.perf_counter()
+    if config.node_rank != 0:
+        raise ValueError(
+            f"node_rank {config.node_rank}: only node 0 runs the engine; other nodes run their ranks "
+            "(`hearth serve --node-rank N ...` or `python -m hearth.distributed.node`)"
+        )
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1 and config.master_port is None:
+        from hearth.distributed.executor import free_port
+
+        config = dataclasses.replace(config, master_port=free_port())
+    parallel = ParallelConfig.from_engine_config(config)
     model_config = ModelConfig.from_dir(config.model)
     tokenizer = Tokenizer.from_dir(config.model)
     dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype)
@@ -43,12 +55,28 @@ def build_engine(config: EngineConfig) -> Engine:
     eos_token_ids = set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids)
     # The embedding may be padded past the tokenizer's ids; those columns are never sampled.
     sample_vocab = min(model_config.vocab_size, tokenizer.vocab_size)
-    worker = Worker(
-        config, model_config, dtype, layout, num_pages, max_model_len, sample_vocab, eos_token_ids
-    )
+    worker: Worker
+    if parallel.is_parallel:
+        from hearth.distributed.executor import DistributedExecutor, WorkerSpec
+
+        spec = WorkerSpec(
+            config, str(dtype).removeprefix("torch."), num_pages, max_model_len, sample_vocab, sorted(eos_token_ids)
+        )
+        worker = DistributedExecutor(config, spec)  # type: ignore[assignment]  # a Worker over every rank
+    else:
+        worker = Worker(
+            config, model_config, dtype, layout, num_pages, max_model_len, sample_vocab, eos_token_ids
+        )
+    # Pages computed under one parallel layout never serve another (DESIGN "Prefix keys").
+    kv_layout_tag = f"{layout.describe()}/{parallel.state_of(0).layout_tag}"
     kv_connectors: list[KVConnector] = []
     if config.kv_tiers_enabled and config.enable_prefix_caching:
-        kv_connectors.append(_tier_connector(config, kv, worker.kv_pool, layout.describe()))
+        if parallel.is_parallel:
+            raise ModelLoadError(
+                "KV tiers (--kv-offload-memory, --kv-disk-dir, --kv-store) with tensor or pipeline "
+                "parallelism are not built yet: the pool lives in the rank processes"
+            )
+        kv_connectors.append(_tier_connector(config, kv, worker.kv_pool, kv_layout_tag))
     engine = Engine(
         config=config,
         model_config=model_config,
@@ -58,7 +86,7 @@ def build_engine(config: EngineConfig) -> Engine:
         worker=worker,
         structured=StructuredOutputManager(tokenizer, eos_token_ids),
         eos_token_ids=eos_token_ids,
-        kv_layout_tag=layout.describe(),
+        kv_layout_tag=kv_layout_tag,
         max_model_len=max_model_len,
         num_kv_tokens=num_kv_tokens,
         kv_connectors=kv_connectors,

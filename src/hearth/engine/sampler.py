@@ -60,6 +60,14 @@ def _flat_index(token_lists: list[list[int]], vocab: int, device: torch.device) 
     return (row_of[valid] * vocab + tokens[valid]).to(device)
 
 
+def _finite_or_forbidden(logits: torch.Tensor) -> torch.Tensor:
+    """+inf (a tiny repetition penalty or temperature overflowing float32) becomes the largest finite value
+    and NaN becomes -inf, in place. Two +inf logits make softmax NaN, and a NaN row's inverse CDF picks the
+    last column, which a grammar mask (-inf) forbids: the client would get a 500 for its own parameters.
+    -inf stays -inf: it is what a grammar mask or a stop-token ban wrote."""
+    return logits.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
+
+
 class Sampler:
     """Picks one token per row. `vocab_size` bounds the ids (the logits may be padded wider)."""
 
@@ -138,7 +146,7 @@ class Sampler:
             self._apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows)
         if min_token_rows:
             self._mask_stop_tokens(logits, [rows[i] for i in min_token_rows], min_token_rows)
-        return logits
+        return _finite_or_forbidden(logits)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], row_index: list[int]) -> None:
         """Repetition (prompt + output, HF/CTRL style), then frequency and presence (output only)."""
@@ -180,7 +188,7 @@ class Sampler:
         device = logits.device
         params = [row.params for row in rows]
         temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-        logits = logits / temperature
+        logits = _finite_or_forbidden(logits / temperature)
 
         min_p = [p.min_p for p in params]
         if any(v > 0.0 for v in min_p):

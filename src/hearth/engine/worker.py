@@ -13,12 +13,16 @@ for sampled ones (the speculative-decoding issue upgrades it to rejection sampli
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 
 import msgspec
 import torch
 
+from hearth.distributed.pipeline import stage_layers
+from hearth.distributed.state import parallel_state
+from hearth.distributed.topology import rank_kv_heads
 from hearth.engine.config import EngineConfig
 from hearth.engine.outputs import TokenLogprob
 from hearth.engine.sampler import Sampler, SamplingRow, make_generator
@@ -53,10 +57,15 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def kv_layout_for(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> KVLayout:
-    """The KV layout a worker builds for this model and these options (the engine sizes the cache with it)."""
+    """The KV layout a worker builds for this model and these options (the engine sizes the cache with it).
+    Across ranks: one TP rank's KV heads, and the layers of the largest pipeline stage (every rank has
+    the same number of pages; a smaller stage holds fewer layers of them)."""
+    num_layers = model_config.num_layers
+    if config.pipeline_parallel_size > 1:
+        num_layers = max(len(s) for s in stage_layers(model_config, config.pipeline_parallel_size))
     return KVLayout(
-        num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
+        num_layers=num_layers,
+        num_kv_heads=rank_kv_heads(model_config.num_kv_heads, config.tensor_parallel_size),
         head_dim=model_config.head_dim,
         page_size=config.page_size,
         kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype),
@@ -83,6 +92,10 @@ class Worker:
         self.dtype = dtype
         if self.device.type == "cpu":
             torch.set_num_threads(config.resolved_num_threads)
+        # This rank's place (one process alone: rank 0 of 1, every layer, the sampling rank).
+        parallel = parallel_state()
+        stage = stage_layers(model_config, parallel.pp_size)[parallel.pp_rank]
+        self.is_sampling_rank = parallel.is_sampling_rank
         self.model = load_model(
             config.model,
             model_config,
@@ -90,7 +103,11 @@ class Worker:
             max_model_len + 1,
             progress=config.load_progress,
             device=self.device,
+            tp_rank=parallel.tp_rank,
+            tp_size=parallel.tp_size,
+            layers=stage if parallel.pp_size > 1 else None,
         )
+        layout = dataclasses.replace(layout, num_layers=len(stage))
         self.kv_pool = KVPool(layout, num_pages, self.device)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
         max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
@@ -124,16 +141,17 @@ class Worker:
         if not step.token_ids:
             return StepOutput([])
         logits = self.forward(step)
-        if not step.sampling:
-            return StepOutput([])
+        if logits is None or not step.sampling or not self.is_sampling_rank:
+            return StepOutput([])  # another rank samples (see hearth.distributed.executor)
         if step.bitmask_rows:
             words = torch.frombuffer(bytearray(step.bitmask), dtype=torch.int32)
             apply_bitmask(logits, step.bitmask_rows, words.view(len(step.bitmask_rows), -1))
         return self._sample(logits, step.sampling)
 
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> torch.Tensor:
-        """float32 logits `[len(step.logits_indices), vocab]` (the KV of the step's tokens is written)."""
+    def forward(self, step: StepInput) -> torch.Tensor | None:
+        """float32 logits `[len(step.logits_indices), vocab]` (the KV of the step's tokens is written);
+        None on a pipeline stage other than the last."""
         num_tokens = len(step.token_ids)
         ids = torch.tensor(step.token_ids + step.positions + step.logits_indices, dtype=torch.long)
         if self.device.type == "cuda":  # pinned, so the copy is asynchronous

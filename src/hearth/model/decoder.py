@@ -9,15 +9,31 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hearth.distributed.state import recv_from_previous_stage, send_to_next_stage
 from hearth.model.config import ModelConfig
 from hearth.model.layers import DecoderLayer, LayerOptions, Linear, RMSNorm
 from hearth.model.rotary import build_cos_sin_table
+from hearth.model.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from hearth.model.weights import ShardId
 from hearth.ops.attention import AttentionContext
 from hearth.ops.linear import LinearWeights, linear, prepare_linear_weights
 
 
+class MissingLayer(nn.Module):
+    """A module another pipeline stage holds: no parameters here, and the loader skips its tensors."""
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("this module runs on another pipeline stage")
+
+
 class DecoderModel(nn.Module):
+    """The embedding, the decoder layers and the final norm; a pipeline stage (`options.layers`) holds
+    its layers only, the embedding on the first stage (and on the last when the LM head is tied to it),
+    the norm on the last: the others are `MissingLayer`s.
+
+    `layer_index` attributes inside the layers index the KV pool, which holds this stage's layers only:
+    they are local to the stage (global index minus `first_layer`)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -25,20 +41,37 @@ class DecoderModel(nn.Module):
         layer_class: type[nn.Module] = DecoderLayer,
     ) -> None:
         super().__init__()
-        # An explicit (uninitialised) weight skips Embedding's random init: on the meta device that init
-        # goes through torch._refs, whose first import costs ~2.5 s of startup.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        options = options or LayerOptions()
+        stage = options.layers if options.layers is not None else range(config.num_layers)
+        self.first_layer, self.end_layer = stage.start, stage.stop
+        self.is_first_stage = stage.start == 0
+        self.is_last_stage = stage.stop == config.num_layers
+        self.embed_tokens: nn.Module = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, options.tp)
+            if self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings)
+            else MissingLayer()
         )
-        self.layers = nn.ModuleList(layer_class(config, i, options) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            layer_class(config, i, options) if i in stage else MissingLayer() for i in range(config.num_layers)
+        )
+        if stage.start:
+            for i in stage:
+                for module in self.layers[i].modules():
+                    if getattr(module, "layer_index", None) == i:
+                        module.layer_index = i - stage.start
+        self.norm: nn.Module = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else MissingLayer()
+        )
 
 
 class CausalLM(nn.Module):
     """Knows nothing of requests: token ids, positions and one attention context in; logits out.
 
-    The embedding, the norms and the LM head are replicated on every tensor-parallel rank; the
-    attention and MLP projections are sharded (`options.tp`).
+    Across tensor-parallel ranks (`options.tp`) the attention and MLP projections are sharded by
+    heads / intermediate features, the embedding and LM head by vocabulary rows, the norms replicated.
+    A pipeline stage (`options.layers`) holds its own layers: the first embeds, the others receive the
+    residual stream from the stage before; the last returns logits, the others send the stream on and
+    return None.
     """
 
     # Checkpoint module name -> (our fused module, its part): q/k/v and gate/up load into one matrix each.
@@ -63,9 +96,15 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, options: LayerOptions | None = None) -> None:
         super().__init__()
         self.config = config
+        options = options or LayerOptions()
         self.model = DecoderModel(config, options, type(self).layer_class)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.dtype = torch.get_default_dtype()  # of the activations sent between pipeline stages
+        self.lm_head: nn.Module = (
+            ParallelLMHead(config.vocab_size, config.hidden_size, options.tp)
+            if self.model.is_last_stage
+            else MissingLayer()
+        )
+        if config.tie_word_embeddings and self.model.is_last_stage:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Built where the model is built on the meta device (the loader), the table would come out of
         # torch._refs, whose first import costs ~2.5 s of startup; real devices compute it here.
@@ -108,12 +147,12 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quant_method.process_after_loading(module)
-        if self.lm_head.weight.device.type == "cpu":
+        if self.model.is_last_stage and self.lm_head.weight.device.type == "cpu":
             self.lm_head_weights = prepare_linear_weights(self.lm_head.weight, gemv_layout=True)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_weights is not None:
-            return linear(hidden, self.lm_head_weights, None)
+            return self.lm_head.gather(linear(hidden, self.lm_head_weights, None))
         return self.lm_head(hidden)
 
     def forward(
@@ -122,18 +161,31 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         ctx: AttentionContext,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Returns float32 logits for the rows in `logits_indices` only (the tokens that get sampled)."""
-        hidden = self.model.embed_tokens(token_ids)
+    ) -> torch.Tensor | None:
+        """Returns float32 logits for the rows in `logits_indices` only (the tokens that get sampled);
+        None on a pipeline stage other than the last."""
+        model = self.model
+        if model.is_first_stage:
+            hidden = model.embed_tokens(token_ids)
+            residual = None
+        else:  # the residual stream after the stage before (its last layer's output added in)
+            hidden = recv_from_previous_stage(
+                (token_ids.shape[0], self.config.hidden_size), self.dtype, token_ids.device
+            )
+            residual = None
         cos, sin = self.cos_sin[positions].to(hidden.dtype).chunk(2, dim=-1)
-        residual = None
         kv_pool = ctx.kv_pool
-        for index, layer in enumerate(self.model.layers):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_pool.layer(index), ctx)
+        first = model.first_layer
+        for index in range(first, model.end_layer):
+            hidden, residual = model.layers[index](hidden, residual, cos, sin, kv_pool.layer(index - first), ctx)
+        if not model.is_last_stage:
+            # One tensor, not two: the next layer's norm needs only the sum, the same add it would do.
+            send_to_next_stage(hidden if residual is None else hidden + residual)
+            return None
         hidden = hidden[logits_indices]
         hidden = (
-            self.model.norm(hidden)
+            model.norm(hidden)
             if residual is None
-            else self.model.norm.add_and_norm(hidden, residual[logits_indices])[0]
+            else model.norm.add_and_norm(hidden, residual[logits_indices])[0]
         )
         return self._lm_head(hidden).float()

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.distributed.state import all_reduce_tp
 from hearth.model.config import ModelConfig, ModelLoadError
+from hearth.model.lazy_tensor import materialize
 from hearth.model.quantization.registry import QuantizationMethod
 from hearth.model.quantization.unquantized import UnquantizedLinearMethod
 from hearth.model.rotary import apply_rotary
@@ -31,11 +33,13 @@ ACTIVATIONS = {
 
 @dataclass(frozen=True)
 class LayerOptions:
-    """How a model's layers are built for this process: its tensor-parallel slot, and the
-    quantization method of its linear layers (one instance serves them all)."""
+    """How a model's layers are built for this process: its tensor-parallel slot, the quantization
+    method of its linear layers (one instance serves them all), and the decoder layers its pipeline
+    stage holds (None: all of them)."""
 
     tp: TPRank = TPRank()
     quant_method: QuantizationMethod = field(default_factory=UnquantizedLinearMethod)
+    layers: range | None = None
 
 
 class OutputShard(NamedTuple):
@@ -87,6 +91,8 @@ class Linear(nn.Module):
         for param in self.parameters(recurse=False):
             if not hasattr(param, "shard_ids"):
                 set_weight_attrs(param, shard_ids=shard_ids)
+            if getattr(param, "weight_loader", None) == self.weight_loader:
+                set_weight_attrs(param, lazy_loading=True)  # it narrows, then reads: a LazyTensor will do
 
     def _output_shards(self) -> dict[ShardId | None, OutputShard]:
         return {None: OutputShard(0, self.output_size, 0, self.output_size)}
@@ -120,7 +126,7 @@ class Linear(nn.Module):
         if input_dim is not None:
             start, size = self.input_shard
             loaded_weight = loaded_weight.narrow(input_dim, start, size)
-        target.copy_(loaded_weight)
+        target.copy_(materialize(loaded_weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -204,22 +210,19 @@ class QKVParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """Input features split across ranks: each rank's product is a partial sum that tensor
-    parallelism all-reduces (not done here: one rank today)."""
-
-    def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, options: LayerOptions | None = None
-    ) -> None:
-        if bias and options is not None and options.tp.size > 1:
-            # Every rank would add it before the all-reduce; adding it once belongs with that reduction.
-            raise ModelLoadError(
-                "a row-parallel layer with a bias is not supported across tensor-parallel ranks yet"
-            )
-        super().__init__(input_size, output_size, bias, options)
+    """Input features split across ranks: each rank's product is a partial sum, all-reduced over the
+    tensor-parallel group (the one all-reduce of an attention or MLP block). The bias is whole on every
+    rank and added once, after the reduction."""
 
     def _input_shard(self) -> tuple[int, int]:
         size = divide(self.input_size, self.tp.size, "input size")
         return self.tp.rank * size, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        out = all_reduce_tp(self.quant_method.apply(self, x, None))
+        return out if self.bias is None else out + self.bias
 
 
 class RMSNorm(nn.Module):

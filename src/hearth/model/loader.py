@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from hearth.model.config import ModelConfig, ModelLoadError
-from hearth.model.decoder import CausalLM
+from hearth.model.decoder import CausalLM, MissingLayer
 from hearth.model.layers import LayerOptions
+from hearth.model.lazy_tensor import LOADED_BYTES, LazyTensor
 from hearth.model.quantization import get_quantization_method
 from hearth.model.registry import get_model_class
 from hearth.model.rotary import build_cos_sin_table
@@ -55,8 +56,10 @@ def load_model(
     quantization: str = "unquantized",
     tp_rank: int = 0,
     tp_size: int = 1,
+    layers: range | None = None,
 ) -> CausalLM:
-    """The model of `config` with the checkpoint's weights (this rank's shard of them), on `device`,
+    """The model of `config` with the checkpoint's weights (this rank's shard of them, of the decoder
+    layers `layers` of its pipeline stage; None: all), on `device`,
     in eval mode and processed for inference by its quantization method (on CPU: the fast paths'
     weight layouts; on other devices the unquantized weights stay as loaded)."""
     model_dir = Path(model_dir)
@@ -69,6 +72,7 @@ def load_model(
         quantization=quantization,
         tp_rank=tp_rank,
         tp_size=tp_size,
+        layers=layers,
     )
     load_weights(model, model_dir, progress=progress)
     model.eval()
@@ -85,15 +89,19 @@ def build_model(
     quantization: str = "unquantized",
     tp_rank: int = 0,
     tp_size: int = 1,
+    layers: range | None = None,
 ) -> CausalLM:
     """The registered class of `config.architecture`, its parameters allocated (not initialised) on `device`."""
-    options = LayerOptions(tp=TPRank(tp_rank, tp_size), quant_method=get_quantization_method(quantization))
+    options = LayerOptions(
+        tp=TPRank(tp_rank, tp_size), quant_method=get_quantization_method(quantization), layers=layers
+    )
     model_class = get_model_class(config.architecture)
     # Parameters are created in `dtype` on the meta device: no initialisation, no float32 copy to cast.
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(config, max_positions, options)
     _materialize(model, torch.device(device))
-    if config.tie_word_embeddings:  # to_empty() gives every module its own storage, untying them
+    if config.tie_word_embeddings and model.model.is_last_stage:
+        # to_empty() gives every module its own storage, untying them
         model.lm_head.weight = model.model.embed_tokens.weight
     # to_empty() left the rotary table uninitialised: build it, in float32.
     model.cos_sin = build_cos_sin_table(config, max_positions).to(device)
@@ -102,11 +110,17 @@ def build_model(
 
 def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False) -> None:
     """Fill `model`'s parameters from the checkpoint in `model_dir`; a ModelLoadError names the first
-    tensor that does not fit (unexpected name, wrong shape) or the tensors the checkpoint lacks."""
+    tensor that does not fit (unexpected name, wrong shape) or the tensors the checkpoint lacks.
+
+    Tensors of modules another pipeline stage holds are skipped unread. Parameters whose loader
+    slices (`lazy_loading`) get a `LazyTensor`, so only this rank's rows / columns are read."""
     from safetensors import safe_open
 
     files = checkpoint_files(Path(model_dir))
     params = dict(model.named_parameters(remove_duplicate=False))
+    elsewhere = tuple(
+        f"{name}." for name, module in model.named_modules(remove_duplicate=False) if isinstance(module, MissingLayer)
+    )
     loaded: set[tuple[str, ShardId | None]] = set()
     bar = None
     if progress:
@@ -122,13 +136,20 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False)
                         continue
                     param_name, shard = target
                     param = params.get(param_name)
+                    if param is None and param_name.startswith(elsewhere):
+                        continue  # another pipeline stage loads it
                     if param is None:
                         raise ModelLoadError(
                             f"{path.name}: unexpected tensor {name!r} for {model.config.architecture}"
                         )
                     weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                    if getattr(param, "lazy_loading", False):
+                        tensor: torch.Tensor | LazyTensor = LazyTensor.from_safetensors(reader, name)
+                    else:
+                        tensor = reader.get_tensor(name)
+                        LOADED_BYTES["whole"] += tensor.numel() * tensor.element_size()
                     try:
-                        weight_loader(param, reader.get_tensor(name), shard)
+                        weight_loader(param, tensor, shard)
                     except WeightShapeError as exc:
                         raise ModelLoadError(
                             f"{path.name}: {name} has shape {exc.loaded_shape}, config implies {exc.expected_shape}"

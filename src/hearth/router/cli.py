@@ -28,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker", action="append", default=[], metavar="URL", help="a mixed server (repeat)"
     )
     parser.add_argument(
+        "--worker-urls",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="mixed servers, several after one flag, as sglang-router and vllm-router take them",
+    )
+    parser.add_argument(
         "--prefill",
         action="append",
         nargs="+",
@@ -86,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def pool_from_args(args: argparse.Namespace) -> WorkerPool:
     pool = WorkerPool(prefix_blocks=args.prefix_index_blocks)
-    for url in args.worker:
+    for url in [*args.worker, *args.worker_urls]:
         pool.add(url, "mixed")
     for entry in args.prefill:
         if len(entry) > 2:

@@ -18,6 +18,19 @@ class AdmissionController:
         self.in_flight = 0
         self.draining = False
 
+    def check_can_ever_admit(self, num_seqs: int, param: str) -> None:
+        """400, not a retryable 429, for a request with more sequences than the server ever admits at once:
+        a client that retries it would retry forever."""
+        if num_seqs > self.max_in_flight:
+            raise APIError(
+                f"the request needs {num_seqs} sequences (prompts x n); this server admits at most "
+                f"{self.max_in_flight} at once (--max-num-seqs + --max-queued-requests); split it",
+                400,
+                "invalid_request_error",
+                param=param,
+                code="too_many_sequences",
+            )
+
     def acquire(self, num_seqs: int) -> None:
         if self.draining:
             raise APIError(

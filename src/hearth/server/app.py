@@ -19,8 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hearth.server.admission import AdmissionController
-from hearth.server.chat_template import ChatTemplate, ChatTemplateError, normalize_messages
+from hearth.server.chat_template import ChatTemplate, ChatTemplateError, content_chars, normalize_messages
+from hearth.server.disconnect import QuietDisconnectMiddleware
 from hearth.server.errors import APIError, bad_request, error_body, from_validation_error
+from hearth.server.limits import read_body, too_large
 from hearth.server.metrics import ServerMetrics
 from hearth.server.protocol import (
     ChatCompletionRequest,
@@ -31,6 +33,7 @@ from hearth.server.protocol import (
 from hearth.server.serving_chat import create_chat_completion
 from hearth.server.serving_completion import create_completion
 from hearth.server.state import ServerConfig, ServerState
+from hearth.server.tokenization import PromptTokenizer
 from hearth.server.tool_parsers import get_tool_parser
 
 if TYPE_CHECKING:
@@ -41,15 +44,21 @@ logger = logging.getLogger("hearth.server")
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
+# Endpoints that do work for a client (tokenizing is as costly as a prompt) need the key like /v1/*.
+_KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on `/v1/*`; health, metrics and load stay open for probes."""
+    """`Authorization: Bearer <key>` on `/v1/*`, `/tokenize` and `/detokenize`; health, metrics and load
+    stay open for probes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith("/v1/") or path in _KEYED_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 response = APIError(
@@ -63,8 +72,17 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _parse(raw: Request, model: type[ModelT]) -> ModelT:
-    body = await raw.body()
+async def _parse(
+    raw: Request, model: type[ModelT], config: ServerConfig, prompts: PromptTokenizer | None = None
+) -> ModelT:
+    """The body as `model`; with `prompts` (endpoints that take a prompt), one too long to fit the
+    context is refused from its Content-Length first."""
+    declared = raw.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > config.max_request_bytes:
+        raise too_large(config.max_request_bytes)  # the server's own limit is named first
+    if prompts is not None:
+        prompts.check_body_fits(declared)
+    body = await read_body(raw, config.max_request_bytes, config.body_read_timeout_s)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -72,6 +90,9 @@ async def _parse(raw: Request, model: type[ModelT]) -> ModelT:
 
 
 def _attach_engine(state: ServerState, engine: AsyncEngine, model_dir: str) -> None:
+    state.prompts = PromptTokenizer(
+        engine.tokenizer, engine.max_model_len, state.config.allow_special_tokens_in_content
+    )
     try:
         state.chat_template = ChatTemplate.from_dir(model_dir, state.config.chat_template_path)
         if state.tool_parser is not None:
@@ -122,13 +143,16 @@ def build_app(
             threading.Thread(target=start_engine, name="hearth-engine-start", daemon=True).start()
             try:
                 engine = await asyncio.wrap_future(starting)
+            except asyncio.CancelledError:
+                return  # stopped while loading (Ctrl-C, SIGTERM): not a load failure
             except Exception as exc:  # a model that fails to load ends the server with a message
                 state.load_error = str(exc)
                 logger.error("could not load the model: %s", exc)
                 if on_load_failure is not None:
                     on_load_failure(exc)
                 return
-            _attach_engine(state, engine, model_dir)
+            # Off the loop: building the chat template and the tokenizer's copies takes a moment.
+            await asyncio.to_thread(_attach_engine, state, engine, model_dir)
 
         loader = asyncio.create_task(load())
         yield
@@ -144,6 +168,7 @@ def build_app(
     app.state.hearth = state
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(QuietDisconnectMiddleware)  # added last: outermost of ours
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
@@ -163,11 +188,15 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        return await create_chat_completion(state, await _parse(raw, ChatCompletionRequest), raw)
+        return await create_chat_completion(
+            state, await _parse(raw, ChatCompletionRequest, config, state.prompts), raw
+        )
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        return await create_completion(state, await _parse(raw, CompletionRequest), raw)
+        return await create_completion(
+            state, await _parse(raw, CompletionRequest, config, state.prompts), raw
+        )
 
     def model_card() -> dict[str, Any]:
         max_model_len = state.engine.max_model_len if state.engine is not None else None
@@ -216,31 +245,42 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict[str, Any]:
-        request = await _parse(raw, TokenizeRequest)
+        request = await _parse(raw, TokenizeRequest, config, state.prompts)
         state.check_model(request.model)
         engine = state.require_engine()
+        prompts = state.require_prompts()
         if request.messages is not None:
             if state.chat_template is None:
                 raise bad_request(state.chat_template_error or "this model has no chat template", "messages")
-            tools = [tool.model_dump(exclude_unset=True) for tool in request.tools] if request.tools else None
-            try:
-                text = state.chat_template.render(
-                    normalize_messages([m.model_dump(exclude_unset=True) for m in request.messages]),
-                    tools=tools,
-                    add_generation_prompt=request.add_generation_prompt,
-                )
-            except ChatTemplateError as exc:
-                raise bad_request(str(exc), "messages") from exc
-            tokens = engine.tokenizer.encode(text, add_special_tokens=False)
+            template = state.chat_template
+            messages, tools = request.messages, request.tools
+            num_chars = content_chars(messages)
+            prompts.check_fits(num_chars, "messages")
+
+            def render_and_encode() -> list[int]:
+                try:
+                    text = template.render(
+                        prompts.escape_specials(
+                            normalize_messages([m.model_dump(exclude_unset=True) for m in messages])
+                        ),
+                        tools=prompts.escape_specials(
+                            [tool.model_dump(exclude_unset=True) for tool in tools] if tools else None
+                        ),
+                        add_generation_prompt=request.add_generation_prompt,
+                    )
+                except ChatTemplateError as exc:
+                    raise bad_request(str(exc), "messages") from exc
+                prompts.check_fits(len(text), "messages")
+                return prompts.encode_chat(text)
+
+            tokens = await prompts.run(num_chars, render_and_encode)
         else:
-            tokens = engine.tokenizer.encode(
-                request.prompt or "", add_special_tokens=request.add_special_tokens
-            )
+            tokens = await prompts.encode(request.prompt or "", request.add_special_tokens, "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict[str, Any]:
-        request = await _parse(raw, DetokenizeRequest)
+        request = await _parse(raw, DetokenizeRequest, config)
         state.check_model(request.model)
         tokenizer = state.require_engine().tokenizer
         if request.tokens and max(request.tokens) >= tokenizer.vocab_size:

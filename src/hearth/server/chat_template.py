@@ -18,6 +18,31 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
+# Names the template's context already gives a meaning: helpers (a client's `raise_exception: ""` would
+# silence the template's own checks), special tokens, and the request's own fields.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "raise_exception",
+        "strftime_now",
+        "namespace",
+        "dict",
+        "range",
+        "lipsum",
+        "cycler",
+        "joiner",
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        *_SPECIAL_TOKEN_KEYS,
+    }
+)
+
+
+def reserved_template_kwargs(template_kwargs: dict[str, Any] | None) -> list[str]:
+    """The keys of `chat_template_kwargs` a client may not set (sorted), or []."""
+    return sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_NAMES)
+
+
 class ChatTemplateError(ValueError):
     """The template refused the conversation (e.g. `raise_exception` on bad role order) or is missing."""
 
@@ -161,7 +186,9 @@ class ChatTemplate:
             if not isinstance(last.get("content"), str):
                 raise ChatTemplateError("continue_final_message needs a final message with string content")
             messages[-1] = {**last, "content": last["content"] + marker}
-        # The request's own fields win over chat_template_kwargs of the same name.
+        reserved = reserved_template_kwargs(template_kwargs)
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         context = {
             **self.special_tokens,
             **(template_kwargs or {}),
@@ -220,3 +247,16 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             message["tool_calls"] = calls
         normalized.append(message)
     return normalized
+
+
+def content_chars(messages: list[Any]) -> int:
+    """Characters of the messages' text content (request models): a lower bound on the rendered prompt's
+    length, known before rendering."""
+    total = 0
+    for message in messages:
+        content = message.content
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.text or "") for part in content)
+    return total

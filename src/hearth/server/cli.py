@@ -28,11 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_arguments(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    group.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    group.add_argument("--port", type=port_number, default=8000, help="port to bind (0: any free port)")
     group.add_argument(
         "--api-key",
         default=os.environ.get("HEARTH_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1/* (default: $HEARTH_API_KEY)",
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (default: $HEARTH_API_KEY)",
     )
     group.add_argument(
         "--max-queued-requests",
@@ -57,8 +57,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
     )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="largest request body accepted; larger ones get 413 before they are read (default 16 MiB)",
+    )
+    group.add_argument(
+        "--header-read-timeout",
+        dest="header_read_timeout_s",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request's headers before the connection is closed",
+    )
+    group.add_argument(
+        "--body-read-timeout",
+        dest="body_read_timeout_s",
+        type=float,
+        default=60.0,
+        help="seconds a client has to send a request's body before it gets 408",
+    )
+    group.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="let special-token text in chat messages (<|im_start|>) become control tokens; "
+        "by default it is tokenized as text",
+    )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def port_number(text: str) -> int:
+    """A TCP port for argparse: 0 (any free port) to 65535. `--port 70000` used to listen on 70000 % 65536."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535; 0 picks a free port)")
+    return port
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -86,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
     from hearth.engine.async_engine import AsyncEngine
     from hearth.server.app import build_app
+    from hearth.server.limits import header_timeout_protocol
+    from hearth.server.shutdown import FLUSH_TIMEOUT_S, DrainingServer, bind_socket
     from hearth.server.state import ServerConfig
 
     logging.basicConfig(
@@ -99,11 +138,21 @@ def run(args: argparse.Namespace) -> int:
     if args.max_waiting_seqs < 0:
         print("hearth serve: --max-queued-requests must be >= 0", file=sys.stderr)
         return 2
+    if args.max_request_bytes < 1 or args.header_read_timeout_s <= 0 or args.body_read_timeout_s <= 0:
+        print(
+            "hearth serve: --max-request-bytes, --header-read-timeout and --body-read-timeout must be > 0",
+            file=sys.stderr,
+        )
+        return 2
     try:
         engine_config = EngineConfig.from_cli_args(args, model=str(model_dir), load_progress=True)
     except ValueError as exc:
         print(f"hearth serve: {exc}", file=sys.stderr)
         return 2
+    if engine_config.node_rank > 0:  # this host only runs ranks; node 0 serves the API
+        from hearth.distributed.node import run_node
+
+        return run_node(engine_config)
     server_config = ServerConfig(
         model_name=engine_config.model_name,
         api_key=args.api_key or None,
@@ -111,7 +160,18 @@ def run(args: argparse.Namespace) -> int:
         tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         chat_template_path=args.chat_template,
         aliases=(str(model_dir), str(model_dir.resolve()), model_dir.name),
+        max_request_bytes=args.max_request_bytes,
+        body_read_timeout_s=args.body_read_timeout_s,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
     )
+    try:
+        # Bound before the model loads: a port in use is reported now, not after a minute of loading.
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(
+            f"hearth serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr
+        )
+        return 1
     # The model runs in the engine-core process; torch threads here would only compete with it for cores.
     torch.set_num_threads(1)
     failures: list[BaseException] = []
@@ -139,19 +199,25 @@ def run(args: argparse.Namespace) -> int:
     uvicorn_config = uvicorn.Config(
         app,
         host=args.host,
-        port=args.port,
+        port=sock.getsockname()[1],
         log_level=args.log_level,
         access_log=args.access_log,
-        timeout_graceful_shutdown=max(1, round(args.shutdown_timeout_s)),
+        # DrainingServer waits --shutdown-timeout and ends what is left with errors; this is only the time
+        # those error answers get to go out.
+        timeout_graceful_shutdown=FLUSH_TIMEOUT_S,
         timeout_keep_alive=30,
+        http=header_timeout_protocol(args.header_read_timeout_s),
     )
-    server = uvicorn.Server(uvicorn_config)
+    server = DrainingServer(uvicorn_config, app.state.hearth, args.shutdown_timeout_s)
     logger.info("loading %s (the API answers 503 until it is ready)", model_dir)
     # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal to the handler that was
     # installed before it; with this one the process then exits 0 rather than dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _note_signal)
-    server.run()
+    server.run(sockets=[sock])
+    if app.state.hearth.engine is None and not failures and not engine_deaths:
+        print("hearth serve: stopped before the model finished loading", file=sys.stderr)
+        return 0
     if failures:
         print(f"hearth serve: could not load {model_dir}: {failures[0]}", file=sys.stderr)
         return 1

@@ -8,9 +8,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from hearth.engine.outputs import RequestOutput, TokenLogprob
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
@@ -20,29 +20,6 @@ from hearth.server.protocol import SamplingRequest
 from hearth.server.state import ServerState
 
 logger = logging.getLogger("hearth.server")
-
-T = TypeVar("T")
-
-
-LARGE_BODY_BYTES = 32_768
-
-
-def body_size_bytes(headers: Mapping[str, str]) -> int:
-    try:
-        return int(headers.get("content-length") or 0)
-    except ValueError:
-        return 0
-
-
-async def off_loop_if_large(body_bytes: int, work: Callable[[], T]) -> T:
-    """Run `work` (template rendering, tokenization) in a thread when the request is large.
-
-    A long agent history takes milliseconds to render and tokenize; on the event loop that would stall
-    every other stream's tokens. Small requests stay inline, where a thread hop would cost more than it saves.
-    """
-    if body_bytes < LARGE_BODY_BYTES:
-        return work()
-    return await asyncio.to_thread(work)
 
 
 def new_request_id(prefix: str) -> str:
@@ -144,7 +121,7 @@ class _Choice:
     finished: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # kept in a set (ServerState.live): identity, not field equality
 class Generation:
     """One API request's engine requests (one per choice and prompt) and their bookkeeping.
 
@@ -170,12 +147,14 @@ class Generation:
         ]
 
     def admit(self) -> None:
+        self.state.admission.check_can_ever_admit(len(self.prompts), "n")
         try:
             self.state.admission.acquire(len(self.prompts))
         except APIError:
             self.state.metrics.rejected.inc()
             raise
         self._admitted = True
+        self.state.live.add(self)
         for choice in self._choices:
             self.state.load.start(choice.request_id, choice.prompt_tokens)
 
@@ -183,10 +162,24 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self.state.live.discard(self)
         if self._admitted:
             self.state.admission.release(len(self.prompts))
         for choice in self._choices:
             self.state.load.finish(choice.request_id)
+            if self._admitted and not choice.finished:
+                # The client left (or the request failed) before the engine finished it: still a request.
+                self.state.metrics.request_finished("abort")
+
+    async def cancel(self, reason: str) -> None:
+        """End every unfinished choice now with an "abort" output carrying `reason` (shutdown past its
+        timeout): the handlers then answer with an error the client can read, not a cut connection."""
+        engine = self.state.engine
+        if engine is None:
+            return
+        for choice in self._choices:
+            if not choice.finished:
+                await engine.abort(choice.request_id, reason)
 
     def usage(self) -> dict[str, Any]:
         """Usage as OpenAI counts it: each prompt once (its first choice's cache hits), every answer token."""
@@ -278,9 +271,11 @@ class Generation:
 def engine_failure(output: RequestOutput) -> APIError | None:
     """An aborted or failed engine request, as the error the client should see."""
     if output.finish_reason == "error":
-        return APIError(
-            f"the engine failed this request: {output.error or 'unknown error'}", 500, "internal_error"
-        )
+        # The engine's reason may carry internal state (a grammar's dump): logged, and only its first
+        # line goes to the client.
+        logger.warning("request %s failed in the engine: %s", output.request_id, output.error)
+        first_line = (output.error or "unknown error").splitlines()[0][:200]
+        return APIError(f"the engine failed this request: {first_line}", 500, "internal_error")
     if output.finish_reason == "abort":
         return APIError(
             f"the request was aborted: {output.error or 'aborted'}",

@@ -12,7 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
-NonNegInt = Annotated[int, Field(ge=0)]
+# Ranges: every integer a client sends is bounded, so nothing it sends overflows an int64 tensor downstream.
+MAX_INT = 2**31 - 1
+NonNegInt = Annotated[int, Field(ge=0, le=MAX_INT)]
+# OpenAI's rule for function names; anything else (`a</tool_call>b`) could end a forced call's text early.
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+FunctionName = Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
 
 
 class _Model(BaseModel):
@@ -25,7 +30,7 @@ class StreamOptions(_Model):
 
 
 class FunctionDefinition(_Model):
-    name: Annotated[str, Field(min_length=1, max_length=256)]
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -37,7 +42,7 @@ class ToolDefinition(_Model):
 
 
 class NamedFunction(_Model):
-    name: str
+    name: FunctionName
 
 
 class NamedToolChoice(_Model):
@@ -96,10 +101,10 @@ class ChatMessage(BaseModel):
 
 class SamplingRequest(_Model):
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=64)] = 1
     stop: str | list[str] | None = None
@@ -107,7 +112,8 @@ class SamplingRequest(_Model):
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    # Below 0.01 a seen token's logit is multiplied past float32's range; HF and vLLM users stay near 1.
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] | None = None
     min_tokens: NonNegInt = 0
     user: str | None = None
     ignore_eos: bool = False
@@ -134,7 +140,7 @@ class SamplingRequest(_Model):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[ToolDefinition] | None = None

@@ -11,18 +11,21 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from hearth.engine.structured_output import StructuredOutput, json_schema_lark
-from hearth.server.chat_template import ChatTemplateError, normalize_messages
+from hearth.server.chat_template import (
+    ChatTemplateError,
+    content_chars,
+    normalize_messages,
+    reserved_template_kwargs,
+)
 from hearth.server.disconnect import respond
 from hearth.server.errors import APIError, bad_request
 from hearth.server.generation import (
     Generation,
-    body_size_bytes,
     chat_logprobs,
     engine_error,
     engine_failure,
     logger,
     new_request_id,
-    off_loop_if_large,
     resolve_max_tokens,
     sampling_params,
     structured_output,
@@ -150,23 +153,34 @@ async def create_chat_completion(
         )
     structured = structured or plan.grammar
     template = state.chat_template
+    reserved = reserved_template_kwargs(request.chat_template_kwargs)
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the chat template defines them",
+            "chat_template_kwargs",
+        )
+    prompts = state.require_prompts()
+    num_chars = content_chars(request.messages)
+    prompts.check_fits(num_chars, "messages")  # before anything is rendered or tokenized
 
     def render_and_encode() -> list[int]:
         tools = [tool.model_dump(exclude_unset=True) for tool in request.tools] if request.tools else None
         try:
             messages = normalize_messages([m.model_dump(exclude_unset=True) for m in request.messages])
             prompt_text = template.render(
-                messages,
-                tools=tools,
+                prompts.escape_specials(messages),
+                tools=prompts.escape_specials(tools),
                 add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
                 continue_final_message=request.continue_final_message,
                 template_kwargs=request.chat_template_kwargs,
             )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
-        return engine.tokenizer.encode(prompt_text + plan.forced_prefix, add_special_tokens=False)
+        prompts.check_fits(len(prompt_text), "messages")
+        # The forced prefix is the server's own text: its special tokens (<tool_call>) are real ones.
+        return prompts.encode_chat(prompt_text + plan.forced_prefix)
 
-    prompt_ids = await off_loop_if_large(body_size_bytes(raw.headers), render_and_encode)
+    prompt_ids = await prompts.run(num_chars, render_and_encode)
     max_tokens = resolve_max_tokens(
         request.max_completion_tokens or request.max_tokens,
         len(prompt_ids),

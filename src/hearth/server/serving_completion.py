@@ -14,12 +14,10 @@ from hearth.server.errors import APIError, bad_request
 from hearth.server.generation import (
     CompletionLogprobs,
     Generation,
-    body_size_bytes,
     engine_error,
     engine_failure,
     logger,
     new_request_id,
-    off_loop_if_large,
     resolve_max_tokens,
     sampling_params,
     structured_output,
@@ -31,24 +29,39 @@ from hearth.server.state import ServerState
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 
-def _prompt_token_lists(state: ServerState, request: CompletionRequest) -> list[list[int]]:
-    tokenizer = state.require_engine().tokenizer
+async def _prompt_token_lists(state: ServerState, request: CompletionRequest) -> list[list[int]]:
+    """The prompts as token lists; what can never be served (more sequences than the server admits, a
+    text longer than any context) is refused before anything is tokenized."""
+    prompts = state.require_prompts()
     prompt = request.prompt
+    texts: list[str] | None = None
     if isinstance(prompt, str):
-        prompts = [tokenizer.encode(prompt)]
+        texts = [prompt]
     elif all(isinstance(item, str) for item in prompt):
-        prompts = [tokenizer.encode(item) for item in prompt]  # type: ignore[arg-type]
-    elif all(isinstance(item, int) for item in prompt):
-        prompts = [list(prompt)]  # type: ignore[arg-type]
+        texts = list(prompt)  # type: ignore[arg-type]
+    if texts is not None:
+        num_prompts = len(texts)
     else:
-        prompts = [list(item) for item in prompt]  # type: ignore[union-attr]
-    vocab_size = tokenizer.vocab_size
-    for tokens in prompts:
+        num_prompts = 1 if all(isinstance(item, int) for item in prompt) else len(prompt)
+    state.admission.check_can_ever_admit(num_prompts * request.n, "prompt")
+    if texts is not None:
+        for text in texts:
+            prompts.check_fits(len(text), "prompt")
+        num_chars = sum(len(text) for text in texts)
+        token_lists = await prompts.run(
+            num_chars, lambda: [prompts.encode_now(text, add_special_tokens=True) for text in texts]
+        )
+    elif all(isinstance(item, int) for item in prompt):
+        token_lists = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        token_lists = [list(item) for item in prompt]  # type: ignore[union-attr]
+    vocab_size = prompts.tokenizer.vocab_size
+    for tokens in token_lists:
         if not tokens:
             raise bad_request("the prompt is empty", "prompt")
         if max(tokens) >= vocab_size:
             raise bad_request(f"prompt token ids must be below the vocabulary size {vocab_size}", "prompt")
-    return prompts
+    return token_lists
 
 
 async def create_completion(state: ServerState, request: CompletionRequest, raw: Request) -> Response:
@@ -56,9 +69,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     engine = state.require_engine()
     if request.suffix:
         raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
-    prompts = await off_loop_if_large(
-        body_size_bytes(raw.headers), lambda: _prompt_token_lists(state, request)
-    )
+    prompts = await _prompt_token_lists(state, request)
     n = request.n
     token_lists: list[list[int]] = []
     params = []

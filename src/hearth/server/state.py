@@ -15,6 +15,8 @@ from hearth.server.tool_parsers import ToolParser
 
 if TYPE_CHECKING:
     from hearth.engine.async_engine import AsyncEngine
+    from hearth.server.generation import Generation
+    from hearth.server.tokenization import PromptTokenizer
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,9 @@ class ServerConfig:
     tool_parser: str | None = "hermes"
     chat_template_path: str | None = None
     aliases: tuple[str, ...] = ()  # other names accepted as `model` (e.g. the checkpoint path)
+    max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413 before they are read
+    body_read_timeout_s: float = 60.0  # a body not fully received by then gets 408
+    allow_special_tokens_in_content: bool = False  # `<|im_start|>` in a message is text unless set
 
 
 @dataclass
@@ -39,6 +44,9 @@ class ServerState:
     tool_parser: ToolParser | None = None
     created_s: int = field(default_factory=lambda: int(time.time()))
     load_error: str | None = None
+    prompts: PromptTokenizer | None = None  # set with the engine
+    # Requests whose engine streams are open, so a shutdown past its timeout can end each one cleanly.
+    live: set[Generation] = field(default_factory=set)
     _token_text_cache: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -69,6 +77,11 @@ class ServerState:
                 code="engine_dead",
             )
         return self.engine
+
+    def require_prompts(self) -> PromptTokenizer:
+        self.require_engine()
+        assert self.prompts is not None  # set together with the engine
+        return self.prompts
 
     def check_model(self, model: str | None) -> None:
         if model is None or model == self.config.model_name or model in self.config.aliases:

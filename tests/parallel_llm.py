@@ -1,0 +1,43 @@
+"""Run by tests/test_distributed.py in a process of its own (a rank failure ends the process that
+holds rank 0, by design): generates greedily under each parallel layout given, one JSON line each.
+
+    python tests/parallel_llm.py MODEL_DIR '[{"tensor_parallel_size": 2}, ...]' [--forever]
+
+With `--forever` it prints the other ranks' pids (`{"pids": {...}}`) and generates until killed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from hearth.engine.llm import LLM
+from hearth.engine.sampling_params import SamplingParams
+
+PROMPTS = [[1, 5, 9, 33, 100, 7], [3, 4, 200, 11], list(range(40, 90))]
+
+
+def main() -> None:
+    model, layouts = sys.argv[1], json.loads(sys.argv[2])
+    forever = "--forever" in sys.argv
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for layout in layouts:
+        llm = LLM(model, kv_cache_memory_gib=0.02, **layout)
+        worker = llm.engine.worker
+        if forever:
+            print(json.dumps({"pids": worker.child_pids}), flush=True)
+            while True:
+                llm.generate(PROMPTS, params)
+        results = llm.generate(PROMPTS, params)
+        tag = llm.engine._kv_layout_tag
+        print(
+            json.dumps({"layout": layout, "tokens": [r.token_ids for r in results], "kv_tag": tag}),
+            flush=True,
+        )
+        shutdown = getattr(worker, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+if __name__ == "__main__":
+    main()
