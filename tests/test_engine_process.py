@@ -39,6 +39,9 @@ from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 class FakeEngine:
     """One page per running request; each step gives every request the token `100 + its step count`."""
 
+    has_kv_connectors = False  # nothing arrives from a tier or a peer here
+    only_waiting_for_kv = False
+
     def __init__(self) -> None:
         self.running: dict[str, tuple[EngineRequest, int]] = {}
         self.fail_next_step = False
@@ -315,3 +318,30 @@ async def test_the_core_ignores_sigint_so_the_api_process_can_drain(tiny_llama) 
     finally:
         engine.shutdown()
     assert _wait_gone(engine.core_pid, 5)
+
+
+class WaitingForKVEngine(FakeEngine):
+    """One request parked in WAITING_FOR_KV: the engine has work, but nothing can run until KV arrives."""
+
+    has_kv_connectors = True
+    only_waiting_for_kv = True
+
+    @property
+    def has_work(self) -> bool:
+        return True
+
+    def step(self) -> list[CoreOutput]:
+        self.steps += 1
+        return []
+
+
+def test_core_loop_waits_instead_of_spinning_while_only_kv_loads_are_pending() -> None:
+    engine = WaitingForKVEngine()
+    harness = CoreHarness(engine)
+    try:
+        time.sleep(0.5)
+        steps = engine.steps
+    finally:
+        harness.close()
+    # A 1 ms wait per pass: at most ~500 steps; a spinning loop makes tens of thousands.
+    assert 0 < steps <= 600

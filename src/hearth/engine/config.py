@@ -66,6 +66,10 @@ class EngineConfig:
     kv_transfer_port: int = 0
     kv_transfer_timeout_s: float = 30.0
     quantization: str = "auto"
+    kv_offload_memory_gib: float = 0.0
+    kv_disk_dir: str | None = None
+    kv_disk_size_gib: float = 16.0
+    kv_store: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -111,6 +115,12 @@ class EngineConfig:
             raise ValueError(f"role must be one of {', '.join(ROLE_CHOICES)}, got {self.role!r}")
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be > 0")
+        if self.kv_offload_memory_gib < 0 or self.kv_disk_size_gib <= 0:
+            raise ValueError("kv_offload_memory_gib must be >= 0 and kv_disk_size_gib > 0")
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return bool(self.kv_offload_memory_gib > 0 or self.kv_disk_dir or self.kv_store)
 
     @property
     def model_name(self) -> str:
@@ -243,6 +253,24 @@ class EngineConfig:
             type=int,
             default=32,
             help="no speculation in steps with more decode rows than this (it stops paying)",
+        )
+        group.add_argument(
+            "--kv-offload-memory",
+            dest="kv_offload_memory_gib",
+            type=float,
+            default=0.0,
+            help="host RAM for KV pages evicted from the device cache, GiB (0: none)",
+        )
+        group.add_argument(
+            "--kv-disk-dir", default=None, help="directory for a local-disk KV tier (survives restarts)"
+        )
+        group.add_argument(
+            "--kv-disk-size", dest="kv_disk_size_gib", type=float, default=16.0, help="disk KV tier size, GiB"
+        )
+        group.add_argument(
+            "--kv-store",
+            default=None,
+            help="cluster-shared KV store: redis://host:port[/db] or mooncake://master:port?metadata=URL",
         )
 
     @classmethod

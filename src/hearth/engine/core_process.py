@@ -49,6 +49,12 @@ logger = logging.getLogger("hearth.engine")
 # (a long prompt's prefill chunks).
 STATS_INTERVAL_S = 0.5
 PARENT_POLL_INTERVAL_S = 0.5
+# A tier's loads finish on its loader thread without waking the loop: with tiers, the loop sleeps this
+# long between polls of the loads instead of spinning (an arrival is noticed at most this late).
+TIER_KV_WAIT_POLL_MS = 1
+# Idle with KV connectors (tiers write back in the background): stats still go out this often, so
+# /metrics sees writes that land after the last request.
+IDLE_STATS_INTERVAL_MS = 1000
 # How long the last messages (the outputs of a shutdown, a load failure) may take to reach the API process.
 FINAL_SEND_LINGER_MS = 5000
 # With only requests waiting for KV from elsewhere (or PD sends in flight), the loop sleeps on the input
@@ -75,15 +81,18 @@ class EngineCoreLoop:
         for fd in kv_loads.wakeup_fds if kv_loads is not None else []:
             self._kv_poller.register(fd, zmq.POLLIN)
         self._waits_for_kv = hasattr(engine, "has_runnable_work")
+        has_tiers = kv_loads is not None and "tier" in kv_loads.connectors
+        self._kv_wait_ms = TIER_KV_WAIT_POLL_MS if has_tiers else KV_WAIT_POLL_MS
 
     def run(self) -> None:
         engine = self.engine
         inbox = self._inbox
         while self._shutdown is None:
             if not engine.has_work:
-                inbox.poll()  # idle: sleep until a message comes
+                # idle: sleep until a message comes (or, with connectors at work, until stats are due)
+                inbox.poll(IDLE_STATS_INTERVAL_MS if engine.has_kv_connectors else None)
             elif self._waits_for_kv and not engine.has_runnable_work:
-                self._kv_poller.poll(KV_WAIT_POLL_MS)  # only KV in flight: no busy spin
+                self._kv_poller.poll(self._kv_wait_ms)  # only KV in flight: no busy spin
             if inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._drain()
                 if self._shutdown is not None:
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     EngineCoreLoop(engine, inbox, outbox).run()
-    engine.kv_loads.close()
+    engine.close()
     inbox.close(linger=0)
     outbox.close(linger=FINAL_SEND_LINGER_MS)
     context.term()

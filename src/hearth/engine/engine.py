@@ -23,6 +23,7 @@ from hearth.engine.scheduler import ScheduledRequest, Scheduler
 from hearth.engine.spec import Speculator
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
+from hearth.engine.tier_connector import TierConnector
 from hearth.engine.worker import StepOutput, Worker
 from hearth.kv.integrity import PageTagMismatch
 from hearth.kv.manager import KVCacheManager
@@ -93,6 +94,23 @@ class Engine:
     def has_runnable_work(self) -> bool:
         """Requests a step would compute; without them the loop sleeps until KV news or a message."""
         return bool(self.scheduler.waiting or self.scheduler.running)
+
+    @property
+    def only_waiting_for_kv(self) -> bool:
+        """Nothing can run until KV arrives from elsewhere: a loop should wait a little, not spin."""
+        scheduler = self.scheduler
+        if not scheduler.waiting_for_kv or scheduler.running:
+            return False
+        return not scheduler.waiting or len(scheduler.waiting_for_kv) >= scheduler.max_num_seqs
+
+    @property
+    def has_kv_connectors(self) -> bool:
+        """KV comes from (and goes to) elsewhere: tiers or peers work in the background."""
+        return bool(self.kv_loads.connectors)
+
+    def close(self) -> None:
+        """Stop the KV connectors' threads (queued tier writes get a moment to finish)."""
+        self.kv_loads.close()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -292,6 +310,9 @@ class Engine:
             kv_transfer_pages_total=transfer.get("transfer_pages_received", 0)
             + transfer.get("transfer_pages_sent", 0),
             kv_tokens_total=self.num_kv_tokens,
+            kv_tiers=tier.tier_stats()
+            if isinstance(tier := self.kv_loads.connectors.get("tier"), TierConnector)
+            else [],
         )
 
 

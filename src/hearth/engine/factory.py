@@ -14,6 +14,7 @@ import torch
 from hearth.distributed.topology import ParallelConfig
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
+from hearth.engine.kv_connector import KVConnector
 from hearth.engine.scheduler import Scheduler
 from hearth.engine.spec import Speculator, build_proposer
 from hearth.engine.structured_output import StructuredOutputManager
@@ -80,7 +81,16 @@ def build_engine(config: EngineConfig) -> Engine:
         worker = Worker(
             config, model_config, dtype, layout, num_pages, max_model_len, sample_vocab, eos_token_ids
         )
-    connectors = []
+    # Pages computed under one parallel layout never serve another (DESIGN "Prefix keys").
+    kv_layout_tag = f"{layout.describe()}/{parallel.state_of(0).layout_tag}"
+    kv_connectors: list[KVConnector] = []
+    if config.kv_tiers_enabled and config.enable_prefix_caching:
+        if parallel.is_parallel:
+            raise ModelLoadError(
+                "KV tiers (--kv-offload-memory, --kv-disk-dir, --kv-store) with tensor or pipeline "
+                "parallelism are not built yet: the pool lives in the rank processes"
+            )
+        kv_connectors.append(_tier_connector(config, kv, worker.kv_pool, kv_layout_tag))
     peer = None
     if config.role != "mixed":
         if parallel.is_parallel:
@@ -88,7 +98,7 @@ def build_engine(config: EngineConfig) -> Engine:
         from hearth.kv_transfer.roles import peer_connector
 
         peer = peer_connector(config, kv, worker.kv_pool)
-        connectors.append(peer)
+        kv_connectors.append(peer)
     engine = Engine(
         config=config,
         model_config=model_config,
@@ -98,14 +108,13 @@ def build_engine(config: EngineConfig) -> Engine:
         worker=worker,
         structured=StructuredOutputManager(tokenizer, eos_token_ids),
         eos_token_ids=eos_token_ids,
-        # Pages computed under one parallel layout never serve another (DESIGN "Prefix keys").
-        kv_layout_tag=f"{layout.describe()}/{parallel.state_of(0).layout_tag}",
+        kv_layout_tag=kv_layout_tag,
         max_model_len=max_model_len,
         num_kv_tokens=num_kv_tokens,
         speculator=build_speculator(
             config, model_config, worker, dtype, num_pages, max_model_len, sample_vocab, eos_token_ids
         ),
-        kv_connectors=connectors,
+        kv_connectors=kv_connectors,
     )
     if peer is not None and config.role == "decode":
         engine.kv_transfer_endpoint = peer.transport.listen(config.kv_transfer_host, config.kv_transfer_port)
@@ -160,6 +169,23 @@ def build_speculator(
         config.num_speculative_tokens,
     )
     return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch_size)
+
+
+def _tier_connector(config: EngineConfig, kv: KVCacheManager, pool: KVPool, layout_tag: str) -> KVConnector:
+    """The KV tiers below the device (host RAM, disk, cluster store), hooked into the KV manager."""
+    from hearth.engine.tier_connector import TierConnector
+    from hearth.kv.tiers import PageSpec, TierStack, build_tiers
+
+    sample = pool.read_pages([0])  # pages move as the pool's raw storage, whatever its dtype
+    spec = PageSpec(layout_tag, sample.dtype, tuple(sample.shape))
+    tiers = build_tiers(
+        spec, config.kv_offload_memory_gib, config.kv_disk_dir, config.kv_disk_size_gib, config.kv_store
+    )
+    stack = TierStack(tiers, pool)
+    kv.on_evict = stack.on_evict
+    kv.lookup = stack.lookup
+    logger.info("KV tiers below the device: %s", ", ".join(tier.name for tier in tiers))
+    return TierConnector(stack, config.page_size)
 
 
 def resolve_max_model_len(model_config: ModelConfig, requested: int | None, num_kv_tokens: int) -> int:

@@ -3,6 +3,7 @@ add every prompt, step until all are done, return results in order."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
@@ -18,6 +19,9 @@ from hearth.engine.sampling_params import SamplingParams
 from hearth.model.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+
+# While the only requests wait for KV from elsewhere, the loop sleeps this long between polls.
+KV_WAIT_S = 0.0005
 
 
 @dataclass
@@ -83,6 +87,8 @@ class LLM:
         while len(finished) < len(collected):
             if not self.engine.has_work:
                 raise RuntimeError("the engine stopped with requests unfinished")
+            if self.engine.only_waiting_for_kv:
+                time.sleep(KV_WAIT_S)  # let the tier/peer threads work instead of spinning on the GIL
             processed = self.output_processor.process(self.engine.step())
             if processed.abort_request_ids:  # stop strings ended them; free their pages in the core
                 self.engine.abort(processed.abort_request_ids, "finished by a stop string")

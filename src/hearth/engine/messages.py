@@ -13,6 +13,7 @@ import msgspec
 
 from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.sampling_params import SamplingParams
+from hearth.kv.tiers.stats import TierStats
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -92,6 +93,7 @@ class EngineStats(msgspec.Struct):
     kv_recomputed_tokens_total: int = 0  # tokens promised from elsewhere (peer, tier) and recomputed
     kv_transfer_pages_total: int = 0  # pages sent plus received
     kv_tokens_total: int = 0  # tokens the KV cache holds (pages x page size): doubles with FP8 KV
+    kv_tiers: list[TierStats] = msgspec.field(default_factory=list)  # per tier below the device
 
 
 class ShutdownCore(msgspec.Struct, tag=True):

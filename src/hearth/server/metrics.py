@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 PREFIX = "hearth_"
@@ -119,6 +119,7 @@ class _EngineCollector(Collector):
         )
         if getattr(stats, "spec_method", ""):
             yield from _speculative_metrics(stats, self._model_name)
+        yield from _tier_metrics(getattr(stats, "kv_tiers", None) or [], self._model_name)
 
 
 def _speculative_metrics(stats: Any, model_name: str) -> Iterator[Metric]:
@@ -167,6 +168,51 @@ def _speculative_metrics(stats: Any, model_name: str) -> Iterator[Metric]:
         family_cls = CounterMetricFamily if is_counter else GaugeMetricFamily
         family = family_cls(PREFIX + name, doc, labels=labels)
         family.add_metric(value, number)
+        yield family
+
+
+_TIER_COUNTERS = (
+    ("lookup_pages", "Pages asked of the tier on a device-cache miss."),
+    ("lookup_hit_pages", "Pages the tier said it holds."),
+    ("hit_pages", "Pages loaded from the tier into the device cache."),
+    ("hit_bytes", "Bytes loaded from the tier."),
+    ("written_pages", "Pages written to the tier."),
+    ("written_bytes", "Bytes written to the tier."),
+    ("dropped_writes", "Page writes dropped (queue full or tier down)."),
+    ("failed_writes", "Page writes that failed."),
+    ("failed_reads", "Loads that failed (tier unreachable)."),
+    ("invalid_pages", "Pages read back and rejected (damaged, wrong layout or key)."),
+)
+
+
+def _tier_metrics(tiers: list[Any], model_name: str) -> Iterator[Metric]:
+    """Per KV tier (host, disk, redis, mooncake): traffic counters, size gauges, latency histograms."""
+    if not tiers:
+        return
+    from hearth.kv.tiers.stats import LATENCY_BUCKETS_S
+
+    labels = ["model_name", "tier"]
+    for name, doc in _TIER_COUNTERS:
+        family = CounterMetricFamily(PREFIX + "kv_tier_" + name, doc, labels=labels)
+        for tier in tiers:
+            family.add_metric([model_name, tier.name], getattr(tier, name))
+        yield family
+    for name, doc in (("stored_pages", "Pages this server knows the tier holds (-1: a shared store)."),
+                      ("stored_bytes", "Bytes this server knows the tier holds (-1: a shared store).")):  # fmt: skip
+        family = GaugeMetricFamily(PREFIX + "kv_tier_" + name, doc, labels=labels)
+        for tier in tiers:
+            family.add_metric([model_name, tier.name], getattr(tier, name))
+        yield family
+    for name, doc in (("read_latency", "Time to load a batch of pages from the tier."),
+                      ("write_latency", "Time to write a batch of pages to the tier.")):  # fmt: skip
+        family = HistogramMetricFamily(PREFIX + f"kv_tier_{name}_seconds", doc, labels=labels)
+        for tier in tiers:
+            histogram = getattr(tier, name)
+            cumulative, buckets = 0, []
+            for bound, count in zip([*LATENCY_BUCKETS_S, float("inf")], histogram.counts, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            family.add_metric([model_name, tier.name], buckets, histogram.sum_s)
         yield family
 
 
