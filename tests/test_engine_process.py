@@ -325,6 +325,7 @@ class WaitingForKVEngine(FakeEngine):
 
     has_kv_connectors = True
     only_waiting_for_kv = True
+    has_runnable_work = False
 
     @property
     def has_work(self) -> bool:

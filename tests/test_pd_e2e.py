@@ -310,7 +310,7 @@ def test_prefill_killed_mid_transfer_every_request_still_completes(deployment: d
         try:
             bodies = [
                 {"prompt": f"{i} long prompt for the doomed prefill " * 25, "max_tokens": 6, "temperature": 0}
-                for i in range(12)
+                for i in range(24)
             ]
             failures_before = metric(decode.url, "hearth_kv_transfer_failures_total")
 
@@ -320,7 +320,12 @@ def test_prefill_killed_mid_transfer_every_request_still_completes(deployment: d
                         asyncio.create_task(client.post(router.url + "/v1/completions", json=b))
                         for b in bodies
                     ]
-                    await asyncio.sleep(0.4)
+                    # Kill as soon as the prefill server has computed a first prompt: the others are
+                    # then queued or in transfer (a fixed sleep let a fast machine finish them all).
+                    deadline = time.monotonic() + 120
+                    while await asyncio.to_thread(metric, doomed.url, "hearth_prompt_tokens_total") == 0:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.01)
                     assert doomed.process is not None
                     doomed.process.send_signal(signal.SIGKILL)
                     return await asyncio.gather(*tasks)
@@ -330,7 +335,10 @@ def test_prefill_killed_mid_transfer_every_request_still_completes(deployment: d
                 assert answer.status_code == 200, answer.text
                 want = post(mixed.url, "/v1/completions", body)
                 assert answer.json()["choices"][0]["text"] == want["choices"][0]["text"]
-            assert metric(decode.url, "hearth_kv_transfer_failures_total") > failures_before
+            deadline = time.monotonic() + 10  # the core's counters reach /metrics with its next message
+            while metric(decode.url, "hearth_kv_transfer_failures_total") <= failures_before:
+                assert time.monotonic() < deadline, "no transfer failed: the kill came after every transfer"
+                time.sleep(0.1)
             assert metric(decode.url, "hearth_kv_recomputed_tokens_total") > 0
             wait_for_zero_pages([decode.url])
             # The router has noticed: PD without a prefill server means the decode server alone.

@@ -91,7 +91,7 @@ class EngineCoreLoop:
             if not engine.has_work:
                 # idle: sleep until a message comes (or, with connectors at work, until stats are due)
                 inbox.poll(IDLE_STATS_INTERVAL_MS if engine.has_kv_connectors else None)
-            elif self._waits_for_kv and not engine.has_runnable_work:
+            elif self._waits_for_kv and (not engine.has_runnable_work or engine.only_waiting_for_kv):
                 self._kv_poller.poll(self._kv_wait_ms)  # only KV in flight: no busy spin
             if inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._drain()
