@@ -18,6 +18,43 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_kv_block(
+    k_ptr,
+    v_ptr,
+    row_pages_ptr,
+    offs_n,
+    n_valid,
+    offs_d,
+    d_valid,
+    kv_head,
+    stride_kv_slot,
+    stride_kv_head,
+    PAGE_SIZE: tl.constexpr,
+):
+    """Keys and values (float32) of context positions `offs_n` of one row, read through its page list."""
+    page = tl.load(row_pages_ptr + offs_n // PAGE_SIZE, mask=n_valid, other=0)
+    slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
+    kv_offsets = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
+    kv_mask = n_valid[:, None] & d_valid[None, :]
+    k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_update(qk, v, m_i, l_i, acc):
+    """Fold one block of scores `qk` (-inf where not attended) and its values into the running
+    max `m_i`, normalizer `l_i` and unnormalized output `acc`."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing attended yet
+    p = tl.exp(qk - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -79,12 +116,10 @@ def _paged_attention_kernel(
     for key_start in range(start, last_pos, BLOCK_N):
         offs_n = key_start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < last_pos
-        page = tl.load(page_table_ptr + row * stride_pt_row + offs_n // PAGE_SIZE, mask=n_valid, other=0)
-        slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        kv_offsets = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v = _load_kv_block(
+            k_ptr, v_ptr, page_table_ptr + row * stride_pt_row, offs_n, n_valid, offs_d, d_valid, kv_head,
+            stride_kv_slot, stride_kv_head, PAGE_SIZE,
+        )  # fmt: skip
         if HAS_SCALES:
             k = k * k_scale
             v = v * v_scale
@@ -93,13 +128,7 @@ def _paged_attention_kernel(
         in_window = (offs_n[None, :] > query_pos[:, None] - sliding_window) | (sliding_window <= 0)
         attend = attend & in_window
         qk = tl.where(attend, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing attended yet
-        p = tl.exp(qk - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_update(qk, v, m_i, l_i, acc)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + (query_start + offs_m)[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
@@ -231,24 +260,16 @@ def _decode_split_kernel(
     for key_start in range(split_start, split_end, BLOCK_N):
         offs_n = key_start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < split_end
-        page = tl.load(page_table_ptr + row * stride_pt_row + offs_n // PAGE_SIZE, mask=n_valid, other=0)
-        slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        kv_offsets = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v = _load_kv_block(
+            k_ptr, v_ptr, page_table_ptr + row * stride_pt_row, offs_n, n_valid, offs_d, d_valid, kv_head,
+            stride_kv_slot, stride_kv_head, PAGE_SIZE,
+        )  # fmt: skip
         if HAS_SCALES:
             k = k * k_scale
             v = v * v_scale
         qk = tl.dot(q, tl.trans(k)) * scale
         qk = tl.where(n_valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(qk - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_update(qk, v, m_i, l_i, acc)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(
         l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))
