@@ -53,7 +53,8 @@ class TritonBackend(AttentionBackend):
         if k is not None and v is not None:
             kv_pool.store(layer_index, metadata.slot_mapping, k, v)
         k_cache, v_cache = kv_pool.layer(layer_index)
-        k_scale, v_scale = _layer_scales(kv_pool, layer_index, k_cache.shape[1])
+        kv_scales = kv_pool.kv_scales(layer_index)  # per KV head, float32; None when unquantized
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         table = metadata.page_table
         if (
             metadata.num_decode_rows == metadata.num_rows
@@ -68,14 +69,3 @@ class TritonBackend(AttentionBackend):
             scale, self.page_size, sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
 
-
-def _layer_scales(
-    kv_pool: PagedKVCache, layer_index: int, num_kv_heads: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Per-KV-head float32 dequantization scales of a quantized pool's layer (None when unquantized)."""
-    k_scales = getattr(kv_pool, "k_scales", None)
-    v_scales = getattr(kv_pool, "v_scales", None)
-    if k_scales is None or v_scales is None:
-        return None, None
-    k_scale, v_scale = k_scales[layer_index].float(), v_scales[layer_index].float()
-    return k_scale.expand(num_kv_heads).contiguous(), v_scale.expand(num_kv_heads).contiguous()
