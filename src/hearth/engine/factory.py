@@ -25,6 +25,7 @@ from hearth.kv.pool import KVPool
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.device import resolve_dtype
 from hearth.model.tokenizer import Tokenizer
+from hearth.ops.cpu_capability import log_cpu_capability
 
 logger = logging.getLogger("hearth.engine")
 
@@ -45,6 +46,8 @@ def build_engine(config: EngineConfig) -> Engine:
     parallel = ParallelConfig.from_engine_config(config)
     model_config = ModelConfig.from_dir(config.model)
     tokenizer = Tokenizer.from_dir(config.model)
+    if not torch.cuda.is_available():
+        log_cpu_capability()  # the CPU, its flags and the fast path they pick, once at start
     dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype)
     layout = kv_layout_for(config, model_config, dtype)
     num_pages = KVPool.num_pages_for_budget(layout, int(config.kv_cache_memory_gib * GIB))

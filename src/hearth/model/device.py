@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
+
+from hearth.ops.cpu_capability import cpu_capability
 
 logger = logging.getLogger(__name__)
 
 _NAMED = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-@functools.cache
 def cpu_has_native_half_math() -> bool:
     """bf16/fp16 matmuls on a CPU without AVX512-BF16/AMX/FP16 units are emulated and many times slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
+    cap = cpu_capability()
+    return cap.fast_path.has_bf16_math or "avx512_fp16" in cap.flags
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str) -> torch.dtype:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth.ops.cpu_kernels import bf16_skinny_linear_kernel
+from hearth.ops.linear_bf16 import prepack_bf16_weight
 
 PACKED_MIN_ROWS = 2
 PACKED_MAX_ROWS = 256
@@ -63,6 +64,10 @@ def prepare_linear_weights(weight: torch.Tensor, gemv_layout: bool = False) -> L
     """Lay out a loaded weight for `linear`. The float32 weight is kept only where nothing replaces
     it (no oneDNN); `gemv_layout` adds the one-row [in, out] copy when no bf16 copy exists."""
     weight = weight.detach()
+    # bf16 weights on a CPU with bf16 math (AVX512-BF16/AMX): one oneDNN-prepacked bf16 weight serves
+    # every row count, through the `packed` branch of `linear` (`hearth.ops.linear_bf16`).
+    if (bf16_packed := prepack_bf16_weight(weight)) is not None:
+        return LinearWeights(fp32=None, packed=bf16_packed)
     packed = prepack_weight(weight)
     bf16 = exact_bf16_copy(weight)
     transposed = (
