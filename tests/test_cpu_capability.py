@@ -153,3 +153,10 @@ def test_bf16_linear_layer_drops_its_plain_weight_and_matches(as_cpu) -> None:
         x = torch.randn(rows, 256).to(torch.bfloat16)
         expected = x.float() @ weight.float().t()
         torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+def test_fast_path_can_be_lowered_for_an_a_b_but_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HEARTH_CPU_FAST_PATH", "avx2-fp32")
+    assert capability(SAPPHIRE_RAPIDS).fast_path is FastPath.AVX2_FP32
+    monkeypatch.setenv("HEARTH_CPU_FAST_PATH", "amx-bf16")
+    assert capability(ZEN3, "AVX2", False).fast_path is FastPath.AVX2_FP32

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +60,23 @@ class CpuCapability:
         )
 
 
+# A/B switch: HEARTH_CPU_FAST_PATH=avx2-fp32 (or avx512-fp32, ...) takes that path if the CPU has it.
+FAST_PATH_ENV = "HEARTH_CPU_FAST_PATH"
+
+
 def choose_fast_path(cap: CpuCapability) -> FastPath:
     """bf16 needs both the hardware (cpuinfo) and a oneDNN that will run bf16 primitives on it; AMX
     is named separately because it is a different order of speed (tiles vs AVX512-BF16 dot products)."""
+    best = _best_fast_path(cap)
+    forced = os.environ.get(FAST_PATH_ENV)
+    if forced:
+        order = list(FastPath)
+        wanted = FastPath(forced)  # ValueError names the choices
+        return wanted if order.index(wanted) <= order.index(best) else best
+    return best
+
+
+def _best_fast_path(cap: CpuCapability) -> FastPath:
     if cap.onednn_bf16 and "amx_bf16" in cap.flags and "amx_tile" in cap.flags:
         return FastPath.AMX_BF16
     if cap.onednn_bf16 and "avx512_bf16" in cap.flags:
