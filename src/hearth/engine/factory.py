@@ -46,7 +46,7 @@ def build_engine(config: EngineConfig) -> Engine:
     parallel = ParallelConfig.from_engine_config(config)
     model_config = ModelConfig.from_dir(config.model)
     tokenizer = Tokenizer.from_dir(config.model)
-    if not torch.cuda.is_available():
+    if config.device == "cpu" or not torch.cuda.is_available():
         log_cpu_capability()  # the CPU, its flags and the fast path they pick, once at start
     dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype)
     layout = kv_layout_for(config, model_config, dtype)
