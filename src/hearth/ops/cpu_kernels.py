@@ -60,6 +60,7 @@ _rotary_write_kv: Callable[..., object] | None = None
 _paged_decode_attention_fp8: Callable[..., object] | None = None
 _rotary_write_kv_fp8: Callable[..., object] | None = None
 _int4_skinny_linear: Callable[..., object] | None = None
+_paged_decode_attention_bf16: Callable[..., object] | None = None
 _build_thread: threading.Thread | None = None
 
 
@@ -128,7 +129,7 @@ def _build() -> None:
         _rotary_write_kv, \
         _paged_decode_attention_fp8, \
         _rotary_write_kv_fp8
-    global _int4_skinny_linear
+    global _int4_skinny_linear, _paged_decode_attention_bf16
     try:
         from torch.utils.cpp_extension import load
 
@@ -152,6 +153,7 @@ def _build() -> None:
     _paged_decode_attention_fp8 = module.paged_decode_attention_fp8
     _rotary_write_kv_fp8 = module.rotary_write_kv_fp8
     _int4_skinny_linear = module.int4_skinny_linear
+    _paged_decode_attention_bf16 = module.paged_decode_attention_bf16
     logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm, rotary + KV write)")
 
 
@@ -207,3 +209,9 @@ def rotary_write_kv_fp8_kernel() -> Callable[..., object] | None:
 def int4_skinny_linear_kernel() -> Callable[..., object] | None:
     """`int4_skinny_linear(x, packed, scales, zero_scaled, group_size, bias=None)` once built; else None."""
     return _int4_skinny_linear
+
+
+def paged_decode_attention_bf16_kernel() -> Callable[..., object] | None:
+    """`paged_decode_attention_bf16(q, k_pool, v_pool, page_table, lens, firsts, page_size, scale)`: float32
+    queries over bfloat16 pools read in place, once built; else None."""
+    return _paged_decode_attention_bf16

@@ -14,14 +14,34 @@ import torch
 from hearth.kv.fp8 import is_fp8
 from hearth.ops.attention.backend import AttentionStepInput
 from hearth.ops.attention.torch_ref import TorchMetadata, TorchRefBackend
-from hearth.ops.cpu_kernels import paged_decode_attention_fp8_kernel, paged_decode_attention_kernel
+from hearth.ops.cpu_kernels import (
+    paged_decode_attention_bf16_kernel,
+    paged_decode_attention_fp8_kernel,
+    paged_decode_attention_kernel,
+)
+
+
+def _bf16_decode(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The bf16-pool kernel as the float32 one is called: it takes float32 queries and returns float32."""
+
+    def decode(q: torch.Tensor, *args: object) -> torch.Tensor:
+        return kernel(q.float(), *args).to(torch.bfloat16)
+
+    return decode
 
 
 class CpuBackend(TorchRefBackend):
     name = "cpu"
 
     def _kernel(self) -> Callable[..., object] | None:
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        if self.device.type != "cpu":
+            return None
+        if self.dtype == torch.bfloat16 and self.kv_dtype == torch.bfloat16:
+            # A bf16 model (CPUs with bf16 math): without this, decode gathers every row's pages and
+            # masks them, over half of a bf16 decode step on Sapphire Rapids (issue 11).
+            kernel = paged_decode_attention_bf16_kernel()
+            return _bf16_decode(kernel) if kernel is not None else None  # type: ignore[arg-type]
+        if self.dtype != torch.float32:
             return None
         if self.kv_dtype == torch.float32:
             return paged_decode_attention_kernel()

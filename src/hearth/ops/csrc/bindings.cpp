@@ -8,6 +8,9 @@ torch::Tensor paged_decode_attention_fp8(torch::Tensor q, torch::Tensor k_pool, 
                                          torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor page_table,
                                          torch::Tensor context_lens, torch::Tensor first_positions,
                                          int64_t page_size, double scale);
+torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                          torch::Tensor page_table, torch::Tensor context_lens,
+                                          torch::Tensor first_positions, int64_t page_size, double scale);
 torch::Tensor rotary_write_kv_fp8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
                                   torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slot_mapping,
                                   torch::Tensor k_scale, torch::Tensor v_scale);
@@ -27,6 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "RoPE on a fused qkv row block: returns rotated q, writes rotated k and v into their pool slots (CPU, float32)");
   m.def("paged_decode_attention_fp8", &paged_decode_attention_fp8,
         "decode attention over an FP8 e4m3 paged KV pool with per-KV-head scales (CPU, float32 queries)");
+  m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16,
+        "decode attention over a bfloat16 paged KV pool, read in place (CPU, float32 queries)");
   m.def("rotary_write_kv_fp8", &rotary_write_kv_fp8,
         "rotary_write_kv into FP8 e4m3 pools, keys and values divided by their head's scale");
   m.def("int4_skinny_linear", &int4_skinny_linear,

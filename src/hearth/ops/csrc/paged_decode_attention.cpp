@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "fp8_e4m3.h"
@@ -144,6 +145,44 @@ at::Tensor paged_decode_attention_fp8(
       for (int64_t h = 0; h < kv_heads; ++h) {
         const float s = scales[h];
         for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = hearth::fp8_e4m3_to_float(src[h * dim + d]) * s;
+      }
+      return dst;
+    };
+  };
+  decode_rows(q.data_ptr<float>(), out.data_ptr<float>(), page_table.data_ptr<int64_t>(),
+              context_lens.data_ptr<int64_t>(), first_positions.data_ptr<int64_t>(), q.size(0), q.size(1), kv_heads,
+              dim, page_table.size(1), page_size, static_cast<float>(scale), make_loader);
+  return out;
+}
+
+// bf16 pools (a bf16 model on a CPU with bf16 math, issue 11): each slot's row is widened to float32
+// into the work item's buffer as it is read (a bf16 value is the top half of a float32), so the pool
+// is read in place at half the bytes of float32 and the float loops stay as they are. Queries and the
+// output are float32 (the caller widens the bf16 queries, [n, heads, dim], which costs nothing next to the pool).
+at::Tensor paged_decode_attention_bf16(
+    at::Tensor q,            // [n, heads, dim] float32
+    at::Tensor k_pool,       // [num_slots, kv_heads, dim] bfloat16
+    at::Tensor v_pool,       // [num_slots, kv_heads, dim] bfloat16
+    at::Tensor page_table,   // [n, max_pages] int64
+    at::Tensor context_lens, // [n] int64
+    at::Tensor first_positions, // [n] int64
+    int64_t page_size,
+    double scale) {
+  TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16,
+              "paged_decode_attention_bf16: bfloat16 pools only");
+  check_common(q, page_table, k_pool, v_pool);
+  const int64_t kv_heads = k_pool.size(1), dim = q.size(2);
+  auto out = at::empty_like(q);
+  const uint16_t* k_ptr = reinterpret_cast<const uint16_t*>(k_pool.data_ptr());
+  const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(v_pool.data_ptr());
+  const int64_t row = kv_heads * dim;
+  auto make_loader = [&]() {
+    return [=, buffer = std::vector<float>(row)](int64_t slot, int which) mutable -> const float* {
+      const uint16_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row;
+      float* dst = buffer.data();
+      for (int64_t i = 0; i < row; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        std::memcpy(dst + i, &bits, sizeof(float));
       }
       return dst;
     };
