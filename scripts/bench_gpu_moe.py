@@ -117,7 +117,9 @@ def bench_op(config: dict, device: torch.device, token_counts: list[int]) -> lis
         row: dict = {"tokens": tokens}
         for name, grouped in (("grouped_mm", True), ("expert_loop", False)):
             row[f"{name}_ms"] = 1e3 * timed(
-                lambda grouped=grouped: moe_ops.fused_moe(hidden, gate_up, down, weights, ids, grouped=grouped),
+                lambda grouped=grouped, hidden=hidden, weights=weights, ids=ids: moe_ops.fused_moe(
+                    hidden, gate_up, down, weights, ids, grouped=grouped
+                ),
                 device,
                 repeats=20,
             )
