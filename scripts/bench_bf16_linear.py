@@ -20,7 +20,13 @@ import torch.nn.functional as F
 from hearth.ops.cpu_capability import detect_cpu_capability
 
 # (name, in, out, calls per decode step) for the 8-layer bench Llama.
-SHAPES = [("qkv", 512, 1024, 8), ("o", 512, 512, 8), ("gate_up", 512, 2816, 8), ("down", 1408, 512, 8), ("lm_head", 512, 32000, 1)]
+SHAPES = [
+    ("qkv", 512, 1024, 8),
+    ("o", 512, 512, 8),
+    ("gate_up", 512, 2816, 8),
+    ("down", 1408, 512, 8),
+    ("lm_head", 512, 32000, 1),
+]
 
 
 def per_call_s(fn, min_time_s: float) -> float:
@@ -36,7 +42,9 @@ def per_call_s(fn, min_time_s: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 1024])
     parser.add_argument("--min-time-s", type=float, default=0.2)
@@ -53,12 +61,16 @@ def main() -> None:
             w16 = w32.to(torch.bfloat16)
             x16 = torch.randn(rows, n_in).to(torch.bfloat16)
             x32 = x16.float()
-            paths = {"F.linear bf16": lambda: F.linear(x16, w16)}
+            paths = {"F.linear bf16": lambda x16=x16, w16=w16: F.linear(x16, w16)}
             if can_pack_bf16:
                 packed16 = torch.ops.mkldnn._reorder_linear_weight(w16, None)
-                paths["prepacked bf16"] = lambda: torch.ops.mkldnn._linear_pointwise(x16, packed16, None, "none", [], "")
+                paths["prepacked bf16"] = lambda x16=x16, p=packed16: torch.ops.mkldnn._linear_pointwise(
+                    x16, p, None, "none", [], ""
+                )
             packed32 = torch.ops.mkldnn._reorder_linear_weight(w32, None)
-            paths["prepacked fp32"] = lambda: torch.ops.mkldnn._linear_pointwise(x32, packed32, None, "none", [], "")
+            paths["prepacked fp32"] = lambda x32=x32, p=packed32: torch.ops.mkldnn._linear_pointwise(
+                x32, p, None, "none", [], ""
+            )
             best: dict[str, float] = {}
             for _ in range(args.rounds):  # interleaved rounds; keep each path's best
                 for label, fn in paths.items():
@@ -68,7 +80,10 @@ def main() -> None:
             base = best["F.linear bf16"]
             print(
                 f"rows {rows:5d} {name:8s} "
-                + "  ".join(f"{label} {seconds * 1e6:9.1f} us ({base / seconds:5.2f}x)" for label, seconds in best.items()),
+                + "  ".join(
+                    f"{label} {seconds * 1e6:9.1f} us ({base / seconds:5.2f}x)"
+                    for label, seconds in best.items()
+                ),
                 flush=True,
             )
     for rows in args.rows:

@@ -12,12 +12,13 @@ import argparse
 import random
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
@@ -33,7 +34,9 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, device="cpu")
     rng = random.Random(0)
     vocab = llm.engine.model_config.vocab_size
-    prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    prompts = [
+        [rng.randrange(10, vocab - 10) for _ in range(args.input_len)] for _ in range(args.num_prompts)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     llm.engine.kv.reset_prefix_cache()

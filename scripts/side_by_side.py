@@ -13,6 +13,8 @@ import sys
 from hearth.bench.side_by_side import add_arguments, run
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

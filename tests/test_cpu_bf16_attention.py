@@ -47,7 +47,9 @@ def test_bf16_decode_kernel_reads_pages_in_place_and_matches(rows, pages, window
     pool = bf16_pool_with_nan_outside(rows, pages)
     step = make_step(rows, pages)
     q = torch.randn(len(step.token_ids), HEADS, HEAD_DIM).to(torch.bfloat16)
-    options = dict(device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6, sliding_window=window)
+    options = dict(
+        device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6, sliding_window=window
+    )
     backend = CpuBackend(dtype=torch.bfloat16, **options)
     metadata = backend.prepare(step)
     assert metadata.decode_kernel is not None and metadata.decode_mask is None  # the kernel, not the gather

@@ -67,7 +67,9 @@ def test_parse_cpuinfo_reads_the_first_processor() -> None:
         (SAPPHIRE_RAPIDS, "AVX512", False, FastPath.AVX512_FP32),
     ],
 )
-def test_fast_path_follows_the_flags(text: str, torch_cap: str, onednn_bf16: bool, expected: FastPath) -> None:
+def test_fast_path_follows_the_flags(
+    text: str, torch_cap: str, onednn_bf16: bool, expected: FastPath
+) -> None:
     cap = capability(text, torch_cap, onednn_bf16)
     assert cap.fast_path is expected
     assert expected.value in cap.describe() and cap.model_name in cap.describe()
@@ -114,7 +116,8 @@ def test_bf16_weights_without_onednn_bf16_fall_back_to_f_linear(as_cpu) -> None:
 
 
 needs_onednn_bf16 = pytest.mark.skipif(
-    not onednn_runs_bf16(), reason="oneDNN on this CPU has no bf16 primitives (needs avx512bw/vl/dq or avx_ne_convert)"
+    not onednn_runs_bf16(),
+    reason="oneDNN on this CPU has no bf16 primitives (needs avx512bw/vl/dq or avx_ne_convert)",
 )
 
 
@@ -152,7 +155,9 @@ def test_bf16_linear_layer_drops_its_plain_weight_and_matches(as_cpu) -> None:
     for rows in (1, 5, 128):
         x = torch.randn(rows, 256).to(torch.bfloat16)
         expected = x.float() @ weight.float().t()
-        torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+        torch.testing.assert_close(
+            layer(x).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item()
+        )
 
 
 def test_fast_path_can_be_lowered_for_an_a_b_but_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:

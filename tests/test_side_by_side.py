@@ -32,10 +32,17 @@ def test_goal_rows_take_medians_and_judge_each_direction() -> None:
     }
     rows = {row["row"]: row for row in goal_table(hearth, vllm)}
     assert len(rows) == len(GOAL_ROWS)
-    assert rows["offline batch 64, output tok/s"]["ratio"] == 1.52 and rows["offline batch 64, output tok/s"]["met"]
+    assert (
+        rows["offline batch 64, output tok/s"]["ratio"] == 1.52
+        and rows["offline batch 64, output tok/s"]["met"]
+    )
     assert rows["offline batch 1, output tok/s"]["met"] is False
     assert rows["serve c16 TTFT p90, ms"]["ratio"] == 0.5 and rows["serve c16 TTFT p90, ms"]["met"] is True
     assert rows["serve c1 ITL p50, ms"]["met"] is False
     assert rows["serve c16 output tok/s"]["ratio"] is None  # not measured: no verdict
     table = format_table(list(rows.values()), cap("avx2"), "float32")
-    assert "test CPU" in table and "avx2" in table and "| offline batch 64, output tok/s | 760.0 | 500.0 | 1.52x" in table
+    assert (
+        "test CPU" in table
+        and "avx2" in table
+        and "| offline batch 64, output tok/s | 760.0 | 500.0 | 1.52x" in table
+    )

@@ -62,7 +62,16 @@ def goal_table(hearth: dict[str, list[float]], vllm: dict[str, list[float]]) -> 
     for goal in GOAL_ROWS:
         h, v = hearth.get(goal.key), vllm.get(goal.key)
         if not h or not v:
-            rows.append({"row": goal.label, "hearth": None, "vllm": None, "ratio": None, "goal": goal.goal, "met": None})
+            rows.append(
+                {
+                    "row": goal.label,
+                    "hearth": None,
+                    "vllm": None,
+                    "ratio": None,
+                    "goal": goal.goal,
+                    "met": None,
+                }
+            )
             continue
         h_med, v_med = statistics.median(h), statistics.median(v)
         ratio = h_med / v_med if v_med else float("inf")
@@ -120,17 +129,38 @@ class Runner:
         print(line, flush=True)
         self.log.append(line)
 
-    def _run(self, cmd: list[str], log: Path, env: dict[str, str] | None = None, timeout_s: float = 900) -> int:
+    def _run(
+        self, cmd: list[str], log: Path, env: dict[str, str] | None = None, timeout_s: float = 900
+    ) -> int:
         with log.open("w") as f:
-            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
+            return subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout_s
+            ).returncode
 
     def hearth_offline(self, tag: str) -> dict[str, float]:
         results: dict[str, float] = {}
         for n in (64, 1):
             path = self.out / f"{tag}-hearth-offline-bs{n}.json"
-            cmd = [self.python, "-m", "hearth.cli", "bench", "offline", "--model", self.args.model,
-                   "--num-prompts", str(n), "--input-len", "128", "--output-len", "128",
-                   "--prompts-file", self.args.prompts_file, "--output-json", str(path), *self.args.hearth_arg]
+            cmd = [
+                self.python,
+                "-m",
+                "hearth.cli",
+                "bench",
+                "offline",
+                "--model",
+                self.args.model,
+                "--num-prompts",
+                str(n),
+                "--input-len",
+                "128",
+                "--output-len",
+                "128",
+                "--prompts-file",
+                self.args.prompts_file,
+                "--output-json",
+                str(path),
+                *self.args.hearth_arg,
+            ]
             if self._run(cmd, path.with_suffix(".log")) == 0:
                 results[f"offline_bs{n}_tok_s"] = json.loads(path.read_text())["output_throughput_tok_s"]
             self.note(f"hearth offline bs{n}: {results.get(f'offline_bs{n}_tok_s')}")
@@ -138,27 +168,61 @@ class Runner:
 
     def vllm_offline(self, tag: str) -> dict[str, float]:
         log = self.out / f"{tag}-vllm-offline.log"
-        cmd = [self.vllm_python, str(self.args.vllm_offline_bench), "--model", self.args.model,
-               "--dtype", self.vllm_dtype, "--prompts-file", self.args.prompts_file]
+        cmd = [
+            self.vllm_python,
+            str(self.args.vllm_offline_bench),
+            "--model",
+            self.args.model,
+            "--dtype",
+            self.vllm_dtype,
+            "--prompts-file",
+            self.args.prompts_file,
+        ]
         self._run(cmd, log, env=self.vllm_env)
         results: dict[str, float] = {}
         for line in log.read_text().splitlines():
             if line.startswith("RESULT "):
                 res = json.loads(line.removeprefix("RESULT "))
-                results = {"offline_bs64_tok_s": res["bs64_out_tok_s"], "offline_bs1_tok_s": res["bs1_out_tok_s"]}
+                results = {
+                    "offline_bs64_tok_s": res["bs64_out_tok_s"],
+                    "offline_bs1_tok_s": res["bs1_out_tok_s"],
+                }
         self.note(f"vllm offline: {results}")
         return results
 
     def serve(self, engine: str, tag: str) -> dict[str, float]:
         port = 17400 if engine == "hearth" else 8140
         if engine == "hearth":
-            cmd = [self.python, "-m", "hearth.cli", "serve", "--model", self.args.model, "--port", str(port),
-                   "--max-model-len", "2048", *self.args.hearth_arg]
+            cmd = [
+                self.python,
+                "-m",
+                "hearth.cli",
+                "serve",
+                "--model",
+                self.args.model,
+                "--port",
+                str(port),
+                "--max-model-len",
+                "2048",
+                *self.args.hearth_arg,
+            ]
             env = None
             served = Path(self.args.model).name
         else:
-            cmd = [self.vllm_bin, "serve", self.args.model, "--host", "127.0.0.1", "--port", str(port),
-                   "--dtype", self.vllm_dtype, "--max-model-len", "2048", "--enable-prompt-tokens-details"]
+            cmd = [
+                self.vllm_bin,
+                "serve",
+                self.args.model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                self.vllm_dtype,
+                "--max-model-len",
+                "2048",
+                "--enable-prompt-tokens-details",
+            ]
             env = self.vllm_env
             served = self.args.model
         log = (self.out / f"{tag}-{engine}-server.log").open("w")
@@ -169,11 +233,36 @@ class Runner:
             self._wait_ready(f"http://127.0.0.1:{port}/health", server)
             for concurrency, prompts in ((16, 64), (1, 16)):
                 label = f"{tag}-{engine}-serve-c{concurrency}"
-                cmd = [self.python, "-m", "hearth.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-                       "--model", served, "--tokenizer", self.args.model, "--workload", "random",
-                       "--random-input-len", "256", "--random-output-len", "64", "--ignore-eos", "--no-plots",
-                       "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--no-progress",
-                       "--result-dir", str(self.out), "--label", label]
+                cmd = [
+                    self.python,
+                    "-m",
+                    "hearth.cli",
+                    "bench",
+                    "serve",
+                    "--base-url",
+                    f"http://127.0.0.1:{port}",
+                    "--model",
+                    served,
+                    "--tokenizer",
+                    self.args.model,
+                    "--workload",
+                    "random",
+                    "--random-input-len",
+                    "256",
+                    "--random-output-len",
+                    "64",
+                    "--ignore-eos",
+                    "--no-plots",
+                    "--num-prompts",
+                    str(prompts),
+                    "--max-concurrency",
+                    str(concurrency),
+                    "--no-progress",
+                    "--result-dir",
+                    str(self.out),
+                    "--label",
+                    label,
+                ]
                 if self._run(cmd, self.out / f"{label}.log") == 0:
                     res = json.loads((self.out / f"{label}.json").read_text())
                     if concurrency == 16:
@@ -184,7 +273,9 @@ class Runner:
                         )
                     else:
                         results["c1_itl_p50_ms"] = res["p50_itl_ms"]
-                self.note(f"{engine} serve c{concurrency}: {({k: round(v, 1) for k, v in results.items()})}")
+                self.note(
+                    f"{engine} serve c{concurrency}: { ({k: round(v, 1) for k, v in results.items()}) }"
+                )
         finally:
             self._stop(server, engine)
             log.close()
