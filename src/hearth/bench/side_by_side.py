@@ -297,15 +297,26 @@ class Runner:
 
     def _stop(self, server: subprocess.Popen[bytes], engine: str) -> None:
         # Hearth stops cleanly on SIGTERM; vLLM wants SIGINT and may leave workers behind (the recipe).
+        # Descendants are listed first, by pid: Hearth's engine core runs in a session of its own, so
+        # killing the server's process group alone could leave it running.
+        import psutil
+
+        try:
+            descendants = psutil.Process(server.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
         try:
             os.killpg(server.pid, signal.SIGTERM if engine == "hearth" else signal.SIGINT)
             server.wait(timeout=30)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
-        try:
-            os.killpg(server.pid, signal.SIGKILL)  # the workers left in its session, by its group id
-        except ProcessLookupError:
-            pass
+        if server.poll() is None:
+            server.kill()
+        for process in descendants:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
         server.wait()
 
 
