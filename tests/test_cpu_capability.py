@@ -19,6 +19,7 @@ from hearth.ops import linear_bf16
 from hearth.ops.cpu_capability import (
     CpuCapability,
     FastPath,
+    choose_fast_path,
     detect_cpu_capability,
     onednn_runs_bf16,
     parse_cpuinfo,
@@ -165,3 +166,6 @@ def test_fast_path_can_be_lowered_for_an_a_b_but_not_raised(monkeypatch: pytest.
     assert capability(SAPPHIRE_RAPIDS).fast_path is FastPath.AVX2_FP32
     monkeypatch.setenv("HEARTH_CPU_FAST_PATH", "amx-bf16")
     assert capability(ZEN3, "AVX2", False).fast_path is FastPath.AVX2_FP32
+    monkeypatch.setenv("HEARTH_CPU_FAST_PATH", "amx")
+    with pytest.raises(ValueError, match="choose one of avx2-fp32, avx512-fp32, avx512-bf16, amx-bf16"):
+        choose_fast_path(capability(ZEN3, "AVX2", False))

@@ -71,7 +71,11 @@ def choose_fast_path(cap: CpuCapability) -> FastPath:
     forced = os.environ.get(FAST_PATH_ENV)
     if forced:
         order = list(FastPath)
-        wanted = FastPath(forced)  # ValueError names the choices
+        try:
+            wanted = FastPath(forced)
+        except ValueError:
+            choices = ", ".join(path.value for path in FastPath)
+            raise ValueError(f"{FAST_PATH_ENV}={forced!r}: choose one of {choices}") from None
         return wanted if order.index(wanted) <= order.index(best) else best
     return best
 
