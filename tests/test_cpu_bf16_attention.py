@@ -72,3 +72,29 @@ def test_float32_models_keep_the_float32_kernel_and_other_pools_the_torch_path()
     assert CpuBackend(**options).prepare(step).decode_kernel is cpu_kernels.paged_decode_attention_kernel()
     # A float16 model has no kernel: decode gathers and masks.
     assert CpuBackend(dtype=torch.float16, **options).prepare(step).decode_mask is not None
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_rms_norm_kernel_rounds_where_the_torch_path_does(with_residual):
+    """The compiled RMSNorm on bf16 rows against the torch path (transformers' order of roundings):
+    equal, or one bf16 ulp apart where a float32 sum taken in another order rounds the other way."""
+    from hearth.model.layers import RMSNorm
+
+    if cpu_kernels.paged_decode_attention_kernel(wait=True) is None or cpu_kernels.rms_norm_kernel() is None:
+        pytest.skip("the CPU kernels did not build here")
+    torch.manual_seed(0)
+    norm = RMSNorm(512, 1e-6).to(torch.bfloat16)
+    norm.weight.data.normal_(1.0, 0.2)
+    x = (torch.randn(37, 512) * 3).to(torch.bfloat16)
+    residual = torch.randn(37, 512).to(torch.bfloat16)
+    assert norm._kernel_for(x) is cpu_kernels.rms_norm_kernel()
+    if with_residual:
+        (out, summed), (ref_out, ref_summed) = norm.add_and_norm(x, residual), (None, x + residual)
+        ref_out = norm._norm(ref_summed)
+        assert torch.equal(summed, ref_summed)
+    else:
+        out, ref_out = norm(x), norm._norm(x)
+    assert out.dtype == torch.bfloat16
+    ulp = ref_out.float().abs().clamp(min=1e-3) * 2.0**-7
+    assert ((out.float() - ref_out.float()).abs() <= ulp).all()
+    assert (out == ref_out).float().mean() > 0.95

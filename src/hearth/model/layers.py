@@ -257,11 +257,11 @@ class RMSNorm(nn.Module):
 
             return rms_norm
         if (
-            x.dtype != torch.float32
+            x.dtype not in (torch.float32, torch.bfloat16)  # bf16: a bf16 model on a bf16 CPU (issue 11)
             or x.device.type != "cpu"
             or x.dim() != 2
             or not x.is_contiguous()
-            or self.weight.dtype != torch.float32
+            or self.weight.dtype != x.dtype
         ):
             return None
         return rms_norm_kernel()

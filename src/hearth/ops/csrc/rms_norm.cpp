@@ -7,16 +7,71 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
 
 #include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
 
+namespace {
+
+// bf16 rows (a bf16 model, issue 11), rounded where the torch path rounds: the residual sum and the
+// normalized row are bf16 tensors there, the statistics float32 (as transformers' LlamaRMSNorm does).
+std::tuple<at::Tensor, at::Tensor> rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, float eps,
+                                                 const std::optional<at::Tensor>& residual, bool add) {
+  using bf16 = c10::BFloat16;
+  const int64_t n = x.size(0), h = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  at::Tensor summed = add ? at::empty_like(x) : x;
+  const bf16* x_ptr = x.data_ptr<bf16>();
+  const bf16* r_ptr = add ? residual->data_ptr<bf16>() : nullptr;
+  const bf16* w_ptr = weight.data_ptr<bf16>();
+  bf16* s_ptr = summed.data_ptr<bf16>();
+  bf16* o_ptr = out.data_ptr<bf16>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(h, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const bf16* xr = x_ptr + row * h;
+      bf16* sr = s_ptr + row * h;
+      float sum_sq = 0.f;
+      if (add) {
+        const bf16* rr = r_ptr + row * h;
+        for (int64_t i = 0; i < h; ++i) {
+          const bf16 v = bf16(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          sr[i] = v;
+          const float f = static_cast<float>(v);
+          sum_sq += f * f;
+        }
+      } else {
+        for (int64_t i = 0; i < h; ++i) sum_sq += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      }
+      const float scale = 1.f / std::sqrt(sum_sq / static_cast<float>(h) + eps);
+      bf16* orow = o_ptr + row * h;
+      for (int64_t i = 0; i < h; ++i) {
+        const bf16 normalized = bf16(static_cast<float>(sr[i]) * scale);
+        orow[i] = bf16(static_cast<float>(w_ptr[i]) * static_cast<float>(normalized));
+      }
+    }
+  });
+  return {out, summed};
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
                                             std::optional<at::Tensor> residual) {
+  if (x.scalar_type() == at::kBFloat16) {
+    const bool add_bf16 = residual.has_value() && residual->defined();
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                    weight.numel() == x.size(1),
+                "rms_norm: bf16 x must be contiguous [rows, hidden] with a contiguous bf16 [hidden] weight");
+    TORCH_CHECK(!add_bf16 || (residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() &&
+                              residual->sizes() == x.sizes()),
+                "rms_norm: residual must be a contiguous bf16 tensor shaped like x");
+    return rms_norm_bf16(x, weight, static_cast<float>(eps), residual, add_bf16);
+  }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "rms_norm: x must be a contiguous [rows, hidden] float32 tensor");
+              "rms_norm: x must be a contiguous [rows, hidden] float32 or bfloat16 tensor");
   const int64_t n = x.size(0), h = x.size(1);
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == h,
               "rms_norm: weight must be a contiguous float32 [hidden]");
