@@ -40,6 +40,22 @@ def dequantize_fp8_blocks(
     return weight.float() * scales
 
 
+def quantize_fp8_blocks(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The format's writer (DeepSeek-V3's conversion): `scale_inv[bo, bi]` = the block's |max| / 448 (e4m3's
+    largest finite value), `weight / scale_inv` rounded to float8_e4m3fn. For demo conversions
+    (`scripts/convert_fp8_block.py`); checkpoints in the wild come quantized."""
+    out, k = weight.shape
+    grid = (-(-out // block[0]), -(-k // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:out, :k] = weight.float().abs()
+    amax = padded.view(grid[0], block[0], grid[1], block[1]).amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
+    full = scale_inv.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :k]
+    return (weight.float() / full).to(torch.float8_e4m3fn), scale_inv
+
+
 @register_quantization_method("fp8")
 class Fp8BlockLinearMethod(QuantizationMethod):
     def __init__(self, block: tuple[int, int] = (128, 128)) -> None:

@@ -11,8 +11,9 @@
 // - W4A8 (default, `int8_activations`): each activation row is rounded to int8 per (row, group), scale =
 //   the group's |max| / 127 (the weight's group, so one float multiply per group covers both scales). The
 //   dot is integer: vpmaddubsw (unsigned nibble x signed int8 -> int16 pairs, 2 x 15 x 127 cannot saturate)
-//   then vpmaddwd by ones -> int32, as llama.cpp's Q4 x Q8 dot on AVX2. 64 weights cost ~2 unpack ops
-//   shared by the rows, and ~5 integer ops per row, against ~16 for the float loop.
+//   summed in int16, then vpmaddwd by ones -> int32 once per group, as llama.cpp's Q4 x Q8 dot on AVX2. 32
+//   weights cost ~2 unpack ops shared by the rows and 2 integer ops per row, against 4 FMAs per row (plus
+//   the widening) for the float loop.
 // - W4A16 (exact weight-only): the nibbles are widened to float32 and FMA'd with the float activations.
 //
 // Packed layout (`hearth.ops.int4.pack_int4`): per output row, blocks of 64 weights in 32 bytes; byte b holds
@@ -96,9 +97,12 @@ inline __m256i dot_u4_s8(__m256i w, __m256i x, __m256i ones) {  // 32 products s
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
 }
 
-// W4A8: output rows [o, o + R) x activation rows [m0, m0 + M).
+// W4A8: output rows [o, o + R) x activation rows [m0, m0 + M). vpmaddubsw's int16 pair sums (|.| <= 2 x 15 x
+// 127 = 3810) are added in int16 for up to 8 products (256 weights, |.| <= 30480) before one widening vpmaddwd:
+// per 32 weights and row that is one multiply and one add.
 template <int M, int R>
 void tile_a8(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o, float* y, int64_t y_stride) {
+  constexpr int64_t kInt16Span = 256;  // weights whose int16 partial sums cannot overflow
   const __m256i mask = _mm256_set1_epi8(0x0f);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 total[M][R];
@@ -106,40 +110,31 @@ void tile_a8(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o, fl
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps(), zero_term[m][r] = 0.f;
   const int64_t row_bytes = w.k / 2;
+  const int64_t span = std::min(w.group_size, kInt16Span);
   for (int64_t g = 0; g < w.groups; ++g) {
     __m256i acc[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
     const int64_t first = g * w.group_size;
-    if (w.group_size == kHalf) {  // one half of a block
-      const int64_t block = first / kBlock;
-      const bool high = (first % kBlock) != 0;
-      for (int r = 0; r < R; ++r) {
-        __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.packed + (o + r) * row_bytes + block * 32));
-        if (high) bytes = _mm256_srli_epi16(bytes, 4);
-        const __m256i q = _mm256_and_si256(bytes, mask);
-        for (int m = 0; m < M; ++m) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (m0 + m) * w.k + first));
-          acc[m][r] = _mm256_add_epi32(acc[m][r], dot_u4_s8(q, xv, ones));
-        }
-      }
-    } else {
-      for (int64_t i = first; i < first + w.group_size; i += kBlock) {
+    for (int64_t s0 = first; s0 < first + w.group_size; s0 += span) {
+      __m256i part[M][R];
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) part[m][r] = _mm256_setzero_si256();
+      for (int64_t i = s0; i < s0 + span; i += kHalf) {  // 32 weights: the low or the high nibbles of a block
+        const bool high = (i % kBlock) != 0;
         for (int r = 0; r < R; ++r) {
-          const __m256i bytes =
+          __m256i bytes =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.packed + (o + r) * row_bytes + (i / kBlock) * 32));
-          const __m256i lo = _mm256_and_si256(bytes, mask);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+          if (high) bytes = _mm256_srli_epi16(bytes, 4);
+          const __m256i q = _mm256_and_si256(bytes, mask);
           for (int m = 0; m < M; ++m) {
-            const int8_t* xm = xq.q.data() + (m0 + m) * w.k + i;
-            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm));
-            const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32));
-            // Two int16 pair sums (each |.| <= 3810) add without overflow before the widening madd.
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-            acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(pairs, ones));
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (m0 + m) * w.k + i));
+            part[m][r] = _mm256_add_epi16(part[m][r], _mm256_maddubs_epi16(q, xv));
           }
         }
       }
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(part[m][r], ones));
     }
     for (int m = 0; m < M; ++m) {
       const float sx = xq.scale[(m0 + m) * w.groups + g];
@@ -192,8 +187,9 @@ void row_f32(const Weight& w, const float* x, int64_t x_stride, const float* xsu
 
 template <int M>
 void tiles_a8(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t begin, int64_t end, float* y, int64_t n) {
-  // R x M <= 8 int32 accumulators (plus the float totals) fit the 16 vector registers.
-  constexpr int R = M == 1 ? 4 : M == 2 ? 4 : M <= 4 ? 2 : 1;
+  // R x M int16 partial sums and float totals within the 16 vector registers; past 2 rows each unpacked
+  // block already serves enough rows.
+  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
   int64_t o = begin;
   for (; o + R <= end; o += R) tile_a8<M, R>(w, xq, m0, o, y, n);
   for (; o < end; ++o) tile_a8<M, 1>(w, xq, m0, o, y, n);
@@ -280,8 +276,8 @@ at::Tensor int4_skinny_linear(at::Tensor x,            // [rows, in] float32, un
         switch (rows) {
           case 1: row_f32<1, 2>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
           case 2: row_f32<2, 2>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
-          case 3: row_f32<3, 2>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
-          case 4: row_f32<4, 2>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
+          case 3: row_f32<3, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
+          case 4: row_f32<4, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
           case 5: row_f32<5, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
           case 6: row_f32<6, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
           case 7: row_f32<7, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
