@@ -40,7 +40,9 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // weights per packed block (32 bytes)
 constexpr int64_t kHalf = 32;   // the unit groups are made of
-constexpr int kMaxRows = 8;     // activation rows per pass over a weight tile
+constexpr int kMaxRows = 8;     // activation rows per pass over a weight tile (float loop)
+constexpr int kMaxRowsA8 = 4;   // W4A8: per row an int16 partial sum, an int32 sum and a float total stay in
+                                // registers up to 4 rows; 6-8 rows spilled them and ran 3-4x slower per row
 
 inline uint8_t nibble(const uint8_t* w, int64_t i) {
   const uint8_t byte = w[(i / kBlock) * 32 + (i % kHalf)];
@@ -86,6 +88,11 @@ struct Weight {
 };
 
 #ifdef __AVX2__
+// The per-row/per-output arrays below (accumulators, totals) must live in registers: that needs their loops
+// over M/R fully unrolled. GCC's size limits stopped doing so from 3-4 rows, and the arrays went to the
+// stack (a load and a store per multiply-add): 4 rows ran ~8x slower than 2.
+#define HEARTH_UNROLL _Pragma("GCC unroll 16")
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -107,38 +114,50 @@ void tile_a8(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o, fl
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 total[M][R];
   float zero_term[M][R];
+  HEARTH_UNROLL
   for (int m = 0; m < M; ++m)
+    HEARTH_UNROLL
     for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps(), zero_term[m][r] = 0.f;
   const int64_t row_bytes = w.k / 2;
   const int64_t span = std::min(w.group_size, kInt16Span);
   for (int64_t g = 0; g < w.groups; ++g) {
     __m256i acc[M][R];
+    HEARTH_UNROLL
     for (int m = 0; m < M; ++m)
+      HEARTH_UNROLL
       for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
     const int64_t first = g * w.group_size;
     for (int64_t s0 = first; s0 < first + w.group_size; s0 += span) {
       __m256i part[M][R];
+      HEARTH_UNROLL
       for (int m = 0; m < M; ++m)
+        HEARTH_UNROLL
         for (int r = 0; r < R; ++r) part[m][r] = _mm256_setzero_si256();
       for (int64_t i = s0; i < s0 + span; i += kHalf) {  // 32 weights: the low or the high nibbles of a block
         const bool high = (i % kBlock) != 0;
+        HEARTH_UNROLL
         for (int r = 0; r < R; ++r) {
           __m256i bytes =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.packed + (o + r) * row_bytes + (i / kBlock) * 32));
           if (high) bytes = _mm256_srli_epi16(bytes, 4);
           const __m256i q = _mm256_and_si256(bytes, mask);
+          HEARTH_UNROLL
           for (int m = 0; m < M; ++m) {
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (m0 + m) * w.k + i));
             part[m][r] = _mm256_add_epi16(part[m][r], _mm256_maddubs_epi16(q, xv));
           }
         }
       }
+      HEARTH_UNROLL
       for (int m = 0; m < M; ++m)
+        HEARTH_UNROLL
         for (int r = 0; r < R; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(part[m][r], ones));
     }
+    HEARTH_UNROLL
     for (int m = 0; m < M; ++m) {
       const float sx = xq.scale[(m0 + m) * w.groups + g];
       const float xsum = xq.sum[(m0 + m) * w.groups + g];
+      HEARTH_UNROLL
       for (int r = 0; r < R; ++r) {
         const int64_t sg = (o + r) * w.groups + g;
         total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][r]), _mm256_set1_ps(w.scales[sg] * sx), total[m][r]);
@@ -146,7 +165,9 @@ void tile_a8(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o, fl
       }
     }
   }
+  HEARTH_UNROLL
   for (int m = 0; m < M; ++m)
+    HEARTH_UNROLL
     for (int r = 0; r < R; ++r)
       y[(m0 + m) * y_stride + o + r] = hsum(total[m][r]) - zero_term[m][r] + (w.bias ? w.bias[o + r] : 0.f);
 }
@@ -157,30 +178,37 @@ void row_f32(const Weight& w, const float* x, int64_t x_stride, const float* xsu
              int64_t y_stride) {
   __m256 total[M];
   float zero_term[M];
+  HEARTH_UNROLL
   for (int m = 0; m < M; ++m) total[m] = _mm256_setzero_ps(), zero_term[m] = 0.f;
   const __m256i mask = _mm256_set1_epi32(0x0f);
   const uint8_t* wo = w.packed + o * (w.k / 2);
   for (int64_t g = 0; g < w.groups; ++g) {
     __m256 acc[M][A];
+    HEARTH_UNROLL
     for (int m = 0; m < M; ++m)
+      HEARTH_UNROLL
       for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
     for (int64_t i = g * w.group_size; i < (g + 1) * w.group_size; i += kHalf) {
       const uint8_t* bytes = wo + (i / kBlock) * 32;
       const bool high = (i % kBlock) != 0;
+      HEARTH_UNROLL
       for (int c = 0; c < 4; ++c) {
         __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * c)));
         v = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, mask);
         const __m256 wv = _mm256_cvtepi32_ps(v);
+        HEARTH_UNROLL
         for (int m = 0; m < M; ++m)
           acc[m][c % A] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + m) * x_stride + i + 8 * c), acc[m][c % A]);
       }
     }
     const __m256 s = _mm256_set1_ps(w.scales[o * w.groups + g]);
+    HEARTH_UNROLL
     for (int m = 0; m < M; ++m) {
       total[m] = _mm256_fmadd_ps(s, A == 2 ? _mm256_add_ps(acc[m][0], acc[m][A - 1]) : acc[m][0], total[m]);
       zero_term[m] += w.zero_scaled[o * w.groups + g] * xsum[(m0 + m) * w.groups + g];
     }
   }
+  HEARTH_UNROLL
   for (int m = 0; m < M; ++m)
     y[(m0 + m) * y_stride + o] = hsum(total[m]) - zero_term[m] + (w.bias ? w.bias[o] : 0.f);
 }
@@ -256,19 +284,16 @@ at::Tensor int4_skinny_linear(at::Tensor x,            // [rows, in] float32, un
   // Chunks of whole 4-row tiles, big enough that a thread's share amortizes the fork.
   const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(k, 1)) / 4 * 4;
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(m - m0, kMaxRows);
+    const int64_t pass = int8_activations ? kMaxRowsA8 : kMaxRows;
+    for (int64_t m0 = 0; m0 < m; m0 += pass) {
+      const int64_t rows = std::min<int64_t>(m - m0, pass);
 #ifdef __AVX2__
       if (int8_activations) {
         switch (rows) {
           case 1: tiles_a8<1>(w, xq, m0, begin, end, y_ptr, n); break;
           case 2: tiles_a8<2>(w, xq, m0, begin, end, y_ptr, n); break;
           case 3: tiles_a8<3>(w, xq, m0, begin, end, y_ptr, n); break;
-          case 4: tiles_a8<4>(w, xq, m0, begin, end, y_ptr, n); break;
-          case 5: tiles_a8<5>(w, xq, m0, begin, end, y_ptr, n); break;
-          case 6: tiles_a8<6>(w, xq, m0, begin, end, y_ptr, n); break;
-          case 7: tiles_a8<7>(w, xq, m0, begin, end, y_ptr, n); break;
-          default: tiles_a8<8>(w, xq, m0, begin, end, y_ptr, n); break;
+          default: tiles_a8<4>(w, xq, m0, begin, end, y_ptr, n); break;
         }
         continue;
       }
