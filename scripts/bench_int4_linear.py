@@ -7,13 +7,12 @@ of `--rounds` rounds per side (on a shared machine the minimum is the least dist
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
 
 from hearth.ops import cpu_kernels
-import dataclasses
-
 from hearth.ops.int4 import int4_linear, make_int4_weights, quantize_rtn
 from hearth.ops.linear import linear, prepare_linear_weights
 

@@ -53,7 +53,11 @@ def main() -> None:
         weights, _, activations = weights.partition("@")
         os.environ["HEARTH_INT4_ACTIVATIONS"] = activations or "int8"  # read as the layers are built
         llms[config] = LLM(
-            args.model, quantization=weights, kv_cache_dtype=kv, max_num_seqs=max(args.batches), num_threads=args.num_threads
+            args.model,
+            quantization=weights,
+            kv_cache_dtype=kv,
+            max_num_seqs=max(args.batches),
+            num_threads=args.num_threads,
         )
         os.environ.pop("HEARTH_INT4_ACTIVATIONS")
     results: dict[str, dict[int, float]] = {config: {} for config in args.configs}

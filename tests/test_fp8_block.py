@@ -117,9 +117,9 @@ def test_quantization_int4_from_fp8_block_checkpoint(fp8_checkpoint, monkeypatch
         if name.endswith(".weight") and (name.rsplit(".", 2)[-2] in LINEARS or name == "lm_head.weight"):
             group = 128 if tensor.shape[1] % 128 == 0 else 64
             q, scales, zeros = quantize_rtn(tensor, group)
-            oracle[name] = ((q.float().view(q.shape[0], -1, group) - zeros[..., None]) * scales[..., None]).view(
-                tensor.shape
-            )
+            oracle[name] = (
+                (q.float().view(q.shape[0], -1, group) - zeros[..., None]) * scales[..., None]
+            ).view(tensor.shape)
     down = model.model.layers[1].mlp.down_proj
     assert not hasattr(down, "weight") and down.int4.group_size == 64  # 320 input features
     torch.testing.assert_close(dequantize_int4(down.int4), oracle["model.layers.1.mlp.down_proj.weight"])

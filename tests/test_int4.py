@@ -85,7 +85,10 @@ def test_int4_linear_matches_float64_over_dequantized_weights(group, act_order, 
         assert (got - exact).abs().max() > 1e-3  # the activations really were rounded
     x = torch.randn(INT4_MAX_ROWS + 3, k)  # more rows than the kernel takes: dequantized, exact
     torch.testing.assert_close(
-        int4_linear(x, weights, bias).double(), x.double() @ expected_w.t() + bias.double(), rtol=1e-4, atol=1e-4
+        int4_linear(x, weights, bias).double(),
+        x.double() @ expected_w.t() + bias.double(),
+        rtol=1e-4,
+        atol=1e-4,
     )
 
 

@@ -52,7 +52,8 @@ def test_fp8_kv_checkpoint_scales_are_sharded_with_the_heads(tiny_model_factory,
     shutil.copytree(src, model_dir)
     tensors = load_file(model_dir / "model.safetensors")
     gen = torch.Generator().manual_seed(1)
-    for layer in range(4):  # per KV head, each head's own (different heads would decode differently if swapped)
+    # Per KV head, each head's own (different heads would decode differently if swapped).
+    for layer in range(4):
         tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.rand(2, generator=gen) * 0.02 + 0.005
         tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.rand(2, generator=gen) * 0.02 + 0.005
     save_file(tensors, model_dir / "model.safetensors")

@@ -125,7 +125,8 @@ class Worker:
         layout = dataclasses.replace(layout, num_layers=len(stage))
         self.kv_pool = KVPool(layout, num_pages, self.device)
         if self.kv_pool.quantized:
-            sharded = parallel.pp_size > 1 or parallel.tp_size > 1  # scales: this stage's layers, this rank's heads
+            # Sharded: the pool holds this stage's layers and this rank's KV heads, and so do its scales.
+            sharded = parallel.pp_size > 1 or parallel.tp_size > 1
             source = init_fp8_kv_scales(
                 self.kv_pool,
                 self.model,
