@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hearth.model.config import ModelLoadError
-from hearth.model.quantization.int4 import RTNInt4Method, add_param, rtn_group_size
+from hearth.model.quantization.int4 import add_param, rtn_group_size, rtn_lm_head
 from hearth.model.quantization.registry import QuantizationMethod, register_quantization_method
 from hearth.model.quantization.unquantized import UnquantizedLinearMethod
 from hearth.model.weights import ShardId
@@ -131,4 +131,4 @@ class Fp8BlockToInt4Method(Fp8BlockLinearMethod):
 
     def quantize_lm_head(self, weight: torch.Tensor) -> Int4Weights | None:
         # DeepSeek-V3 ships its head in BF16; it is rounded as `--quantization int4` rounds a dense one.
-        return RTNInt4Method.quantize_lm_head(self, weight)  # type: ignore[arg-type]
+        return rtn_lm_head(weight)

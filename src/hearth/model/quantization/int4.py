@@ -142,9 +142,13 @@ class RTNInt4Method(Int4LinearMethod):
         del layer.weight
 
     def quantize_lm_head(self, weight: torch.Tensor) -> Int4Weights | None:
-        """The LM head too (its dense weight stays: it may be the embedding); None where it does not fit."""
-        group_size = next((g for g in (128, 64) if weight.shape[1] % g == 0), None)
-        if group_size is None or weight.device.type != "cpu":
-            return None
-        q, scales, zeros = quantize_rtn(weight.detach(), group_size)
-        return make_int4_weights(q, scales, zeros, group_size)
+        return rtn_lm_head(weight)
+
+
+def rtn_lm_head(weight: torch.Tensor) -> Int4Weights | None:
+    """The LM head too (its dense weight stays: it may be the embedding); None where it does not fit."""
+    group_size = next((g for g in (128, 64) if weight.shape[1] % g == 0), None)
+    if group_size is None or weight.device.type != "cpu":
+        return None
+    q, scales, zeros = quantize_rtn(weight.detach(), group_size)
+    return make_int4_weights(q, scales, zeros, group_size)
