@@ -676,7 +676,10 @@ async def run(args: argparse.Namespace) -> list[Row]:
             ("disconnect", lambda: phase_disconnects(server, sizes.disconnects, args.seed)),
             ("burst", lambda: phase_burst(server, sizes.burst)),
             ("big-request", lambda: phase_big_request(server, sizes.big_request_bytes, sizes.strict_timing)),
-            ("soak", lambda: phase_soak(server, args.soak_requests or sizes.soak, args.seed, sizes.strict_timing)),
+            (
+                "soak",
+                lambda: phase_soak(server, args.soak_requests or sizes.soak, args.seed, sizes.strict_timing),
+            ),
             ("router-kill", lambda: phase_router_kill(server, sizes.router, not args.short, workdir)),
             ("sigterm", lambda: phase_sigterm(server)),
         ]

@@ -32,9 +32,7 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // granule) * granule
 
 
-def padded_linear_pointwise(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+def padded_linear_pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`torch.ops.mkldnn._linear_pointwise(x, packed, bias)` with x's rows padded to their bucket (zero rows,
     whose outputs are dropped), so oneDNN builds one primitive per bucket, not one per row count."""
     rows = x.shape[0]
