@@ -17,8 +17,12 @@ outputs are sliced off before anything else sees them, and no KV page is ever re
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+# HEARTH_ROW_BUCKETS=0 turns the padding off (A/B measurements; `docs/benchmarks.md`, issue 19 soak).
+ENABLED = os.environ.get("HEARTH_ROW_BUCKETS", "1") != "0"
 EXACT_MAX_ROWS = 16
 STEPS_PER_OCTAVE = 4
 
@@ -36,7 +40,7 @@ def padded_linear_pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.T
     """`torch.ops.mkldnn._linear_pointwise(x, packed, bias)` with x's rows padded to their bucket (zero rows,
     whose outputs are dropped), so oneDNN builds one primitive per bucket, not one per row count."""
     rows = x.shape[0]
-    padded_rows = bucket_rows(rows)
+    padded_rows = bucket_rows(rows) if ENABLED else rows
     if padded_rows != rows:
         padded = x.new_empty((padded_rows, *x.shape[1:]))
         padded[:rows].copy_(x)
