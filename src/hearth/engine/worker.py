@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import msgspec
 import torch
 
+from hearth.distributed.microbatch import forward_micro_batches
 from hearth.distributed.pipeline import stage_layers
 from hearth.distributed.state import parallel_state
 from hearth.distributed.topology import rank_kv_heads
@@ -108,6 +109,10 @@ class Worker:
         parallel = parallel_state()
         stage = stage_layers(model_config, parallel.pp_size)[parallel.pp_rank]
         self.is_sampling_rank = parallel.is_sampling_rank
+        # Pipeline stages overlap on micro-batches of each step (hearth.distributed.microbatch).
+        self.micro_batches = (
+            (config.pipeline_micro_batches or 2 * parallel.pp_size) if parallel.pp_size > 1 else 1
+        )
         quantization, quant_config = resolve_quantization(config.quantization, config.model)
         self.model = load_model(
             config.model,
@@ -127,7 +132,9 @@ class Worker:
         if self.kv_pool.quantized:
             if parallel.pp_size > 1 or parallel.tp_size > 1:
                 # Calibration runs the whole model in one process, and checkpoint scales index global layers/heads.
-                raise ValueError("--kv-cache-dtype fp8_e4m3 with tensor or pipeline parallelism is not supported yet")
+                raise ValueError(
+                    "--kv-cache-dtype fp8_e4m3 with tensor or pipeline parallelism is not supported yet"
+                )
             source = init_fp8_kv_scales(self.kv_pool, self.model, config.model, max_model_len)
             logger.info("FP8 KV cache: per (layer, KV head) scales from %s", source)
         self.page_tag_check = make_page_tag_check(config.kv_integrity)
@@ -202,6 +209,11 @@ class Worker:
     def forward(self, step: StepInput) -> torch.Tensor | None:
         """float32 logits `[len(step.logits_indices), vocab]` (the KV of the step's tokens is written);
         None on a pipeline stage other than the last."""
+        if parallel_state().pp_size > 1:
+            return forward_micro_batches(self._forward_one, step, self.micro_batches)
+        return self._forward_one(step)
+
+    def _forward_one(self, step: StepInput) -> torch.Tensor | None:
         num_tokens = len(step.token_ids)
         ids = torch.tensor(step.token_ids + step.positions + step.logits_indices, dtype=torch.long)
         if self.device.type == "cuda":  # pinned, so the copy is asynchronous
