@@ -25,6 +25,14 @@ from hearth.distributed.state import PIPELINE_TIME_S, wait_for_sends
 from hearth.engine.step_input import StepInput
 
 
+def resolve_micro_batches(requested: int, pp_size: int) -> int:
+    """`--pipeline-micro-batches`: 0 is 2 x stages (the fill and drain of each step cost 1/(M + P - 1)
+    of it, a third with 2 stages); no pipeline, no micro-batches."""
+    if pp_size == 1:
+        return 1
+    return requested or 2 * pp_size
+
+
 def micro_batch_rows(query_start_loc: list[int], num_micro_batches: int) -> list[range]:
     """Consecutive row ranges with about equal token counts (a row is never cut); at most one per row,
     never an empty one. Pure: every rank computes the same cuts from the same step."""

@@ -31,6 +31,20 @@ logger = logging.getLogger("hearth.engine")
 GIB = 1 << 30
 
 
+def plan_pipeline(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> EngineConfig:
+    """The config with its pipeline stages' layers balanced by measured cost (`hearth.distributed.pipeline`),
+    for a full decode batch cut in micro-batches."""
+    from hearth.distributed.microbatch import resolve_micro_batches
+    from hearth.distributed.pipeline import plan_stages
+    from hearth.engine.worker import resolve_device
+
+    pp = config.pipeline_parallel_size
+    micro_batches = resolve_micro_batches(config.pipeline_micro_batches, pp)
+    tokens = max(1, min(config.max_num_seqs, config.max_num_batched_tokens) // micro_batches)
+    layers, _ = plan_stages(model_config, pp, dtype, resolve_device(config.device), tokens)
+    return dataclasses.replace(config, pipeline_stage_layers=layers)
+
+
 def build_engine(config: EngineConfig) -> Engine:
     started = time.perf_counter()
     if config.node_rank != 0:
@@ -46,6 +60,8 @@ def build_engine(config: EngineConfig) -> Engine:
     model_config = ModelConfig.from_dir(config.model)
     tokenizer = Tokenizer.from_dir(config.model)
     dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype)
+    if config.pipeline_parallel_size > 1 and config.pipeline_stage_layers is None:
+        config = plan_pipeline(config, model_config, dtype)  # decided once here; every rank gets it
     layout = kv_layout_for(config, model_config, dtype)
     num_pages = KVPool.num_pages_for_budget(layout, int(config.kv_cache_memory_gib * GIB))
     if num_pages < 2:

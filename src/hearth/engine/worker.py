@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import msgspec
 import torch
 
-from hearth.distributed.microbatch import forward_micro_batches
+from hearth.distributed.microbatch import forward_micro_batches, resolve_micro_batches
 from hearth.distributed.pipeline import stage_layers
 from hearth.distributed.state import parallel_state
 from hearth.distributed.topology import rank_kv_heads
@@ -72,7 +72,8 @@ def kv_layout_for(config: EngineConfig, model_config: ModelConfig, dtype: torch.
     mla = model_config.mla
     num_layers = model_config.num_layers
     if config.pipeline_parallel_size > 1:
-        num_layers = max(len(s) for s in stage_layers(model_config, config.pipeline_parallel_size))
+        stages = stage_layers(model_config, config.pipeline_parallel_size, config.pipeline_stage_layers)
+        num_layers = max(len(s) for s in stages)
     return KVLayout(
         num_layers=num_layers,
         num_kv_heads=1
@@ -107,12 +108,10 @@ class Worker:
             torch.set_num_threads(config.resolved_num_threads)
         # This rank's place (one process alone: rank 0 of 1, every layer, the sampling rank).
         parallel = parallel_state()
-        stage = stage_layers(model_config, parallel.pp_size)[parallel.pp_rank]
+        stage = stage_layers(model_config, parallel.pp_size, config.pipeline_stage_layers)[parallel.pp_rank]
         self.is_sampling_rank = parallel.is_sampling_rank
         # Pipeline stages overlap on micro-batches of each step (hearth.distributed.microbatch).
-        self.micro_batches = (
-            (config.pipeline_micro_batches or 2 * parallel.pp_size) if parallel.pp_size > 1 else 1
-        )
+        self.micro_batches = resolve_micro_batches(config.pipeline_micro_batches, parallel.pp_size)
         quantization, quant_config = resolve_quantization(config.quantization, config.model)
         self.model = load_model(
             config.model,
