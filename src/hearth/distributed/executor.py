@@ -33,6 +33,7 @@ import torch
 from hearth.distributed.channel import broadcast_bytes
 from hearth.distributed.groups import init_rank
 from hearth.distributed.groups import shutdown as leave_group
+from hearth.distributed.state import PIPELINE_TIME_S
 from hearth.distributed.step_channel import CoreChannel, channel_kind, core_channel
 from hearth.distributed.topology import ParallelConfig
 from hearth.engine.config import EngineConfig
@@ -172,10 +173,16 @@ class DistributedExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         try:
+            start = time.perf_counter()
             self.channel.publish(self._encoder.encode(step))
+            published = time.perf_counter()
             output = self.worker.execute(step)
             if self._sampling_rank != 0:
+                executed = time.perf_counter()
                 output = self._decoder.decode(self.channel.receive_output(self._sampling_rank))
+                PIPELINE_TIME_S["output_wait_s"] += time.perf_counter() - executed
+            PIPELINE_TIME_S["step_publish_s"] += published - start
+            PIPELINE_TIME_S["step_s"] += time.perf_counter() - start
             return output
         except Exception as exc:
             self._fatal(f"a step failed across the ranks: {exc}")

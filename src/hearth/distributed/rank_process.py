@@ -22,6 +22,7 @@ from hearth.distributed.channel import broadcast_bytes
 from hearth.distributed.executor import WorkerSpec, build_worker
 from hearth.distributed.groups import init_rank
 from hearth.distributed.groups import shutdown as leave_group
+from hearth.distributed.state import PIPELINE_TIME_S
 from hearth.distributed.step_channel import rank_channel
 from hearth.distributed.topology import ParallelConfig
 from hearth.engine.step_input import StepInput
@@ -48,7 +49,12 @@ def serve(rank: int) -> None:
     channel.sync()  # with rank 0: every rank has its shard and receives steps
     decoder = msgspec.msgpack.Decoder(StepInput)
     encoder = msgspec.msgpack.Encoder()
-    while (data := channel.receive()) is not None:
+    while True:
+        start = time.perf_counter()
+        data = channel.receive()
+        PIPELINE_TIME_S["step_wait_s"] += time.perf_counter() - start  # idle, and the step's transport
+        if data is None:
+            break
         output = worker.execute(decoder.decode(data))
         if sends_output:
             channel.send_output(encoder.encode(output))
@@ -69,6 +75,7 @@ def log_rank_report(rank: int, worker: object) -> None:
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "comm_bytes": dict(COMM_BYTES),
+        "pipeline_time_s": dict(PIPELINE_TIME_S),
     }
     logger.info("rank report %s", json.dumps(report))
 

@@ -9,7 +9,8 @@ parameters. Parameters mislead in two ways that matter for the models the seeds 
 
 So the cost model is: time(layer) = sum over its weight groups of params x seconds-per-param at the
 number of tokens that group sees, with seconds-per-param measured once at start on this device and
-dtype (`calibrate`, a few GEMMs on one matrix, ~0.1-0.5 s) and interpolated between the measured batch
+dtype (`calibrate`: the model's linear op on one 8M-parameter matrix at 4 batch sizes, ~0.3 s on 2 idle
+CPU threads) and interpolated between the measured batch
 sizes. Routed experts: E x (1 - (1 - k/E)^T) of them expected to be touched by T tokens, each seeing
 T k / touched tokens. The embedding (a lookup: T rows read) and the LM head (`[vocab, hidden]` for the
 sampled rows, all of them in decode) ride on the first and last stage. Attention over the KV cache
@@ -64,10 +65,22 @@ class LinearTiming:
         return values[i - 1] + t * (values[i] - values[i - 1])
 
 
-def calibrate(dtype: torch.dtype, device: torch.device, repeats: int = 3) -> LinearTiming:
+def calibrate(dtype: torch.dtype, device: torch.device, repeats: int = 2) -> LinearTiming:
     """Times `F.linear` on one `CALIBRATION_SHAPE` weight at each of `CALIBRATION_BATCHES` (best of `repeats`)."""
     out_features, in_features = CALIBRATION_SHAPE
     weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
+    if device.type == "cpu":  # the layouts and paths the model's linear layers run (prepacked, GEMV)
+        from hearth.ops.linear import linear, prepare_linear_weights
+
+        prepared = prepare_linear_weights(weight, gemv_layout=True)
+
+        def run(x: torch.Tensor) -> None:
+            linear(x, prepared, None)
+    else:
+
+        def run(x: torch.Tensor) -> None:
+            torch.nn.functional.linear(x, weight)
+
     per_param = []
     for batch in CALIBRATION_BATCHES:
         x = torch.randn(batch, in_features, dtype=dtype, device=device)
@@ -76,7 +89,7 @@ def calibrate(dtype: torch.dtype, device: torch.device, repeats: int = 3) -> Lin
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
+            run(x)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)

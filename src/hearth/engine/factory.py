@@ -41,7 +41,12 @@ def plan_pipeline(config: EngineConfig, model_config: ModelConfig, dtype: torch.
     pp = config.pipeline_parallel_size
     micro_batches = resolve_micro_batches(config.pipeline_micro_batches, pp)
     tokens = max(1, min(config.max_num_seqs, config.max_num_batched_tokens) // micro_batches)
-    layers, _ = plan_stages(model_config, pp, dtype, resolve_device(config.device), tokens)
+    device = resolve_device(config.device)
+    if device.type == "cpu":  # measured with the threads a rank will have (its worker sets them again)
+        from hearth.distributed.executor import rank_threads
+
+        torch.set_num_threads(rank_threads(config, ParallelConfig.from_engine_config(config)))
+    layers, _ = plan_stages(model_config, pp, dtype, device, tokens)
     return dataclasses.replace(config, pipeline_stage_layers=layers)
 
 
