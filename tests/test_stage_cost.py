@@ -94,3 +94,17 @@ def test_calibration_measures_time_per_parameter_that_never_falls_with_rows():
     timing = calibrate(torch.float32, torch.device("cpu"), repeats=1)
     values = timing.seconds_per_param
     assert all(v > 0 for v in values) and list(values) == sorted(values)
+
+
+def test_pipeline_options_parse_and_are_checked():
+    import argparse
+
+    from hearth.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args("--model m -pp 2 --pipeline-stage-layers 3,1 --pipeline-micro-batches 4".split())
+    config = EngineConfig.from_cli_args(args)
+    assert (config.pipeline_stage_layers, config.pipeline_micro_batches) == ((3, 1), 4)
+    with pytest.raises(ValueError, match="one layer count >= 1 per stage"):
+        EngineConfig("m", pipeline_parallel_size=2, pipeline_stage_layers=(4,))
