@@ -36,6 +36,7 @@ def test_steps_arrive_in_order_outputs_come_back_and_stop_ends_the_loop():
         core.close()
 
 
+@pytest.mark.timeout(30)  # without the monitor the rank would wait forever
 def test_a_rank_raises_when_rank_0_is_gone():
     core, rank = connected()
     try:
