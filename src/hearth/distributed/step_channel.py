@@ -18,6 +18,7 @@ machine against ~0.1 ms for a PUB socket (docs/benchmarks.md). What gloo gave fo
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from typing import Protocol
@@ -114,9 +115,9 @@ class ZmqCoreChannel:
         self._pub.setsockopt(zmq.LINGER, 1000)
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        # One node: loopback only. Several: every interface, advertised as `host` (the rendezvous address,
-        # which may be a name, and a name cannot be bound).
-        bind = "tcp://127.0.0.1" if local_only else "tcp://*"
+        # One node: loopback only. Several: the interface of the rendezvous address `host` (which may be a
+        # name: ZeroMQ binds addresses, so it is resolved), never every interface.
+        bind = "tcp://127.0.0.1" if local_only else f"tcp://{socket.gethostbyname(host)}"
         step_port = self._pub.bind_to_random_port(bind)
         output_port = self._pull.bind_to_random_port(bind)
         self.endpoints = (f"tcp://{host}:{step_port}", f"tcp://{host}:{output_port}")
