@@ -119,35 +119,40 @@ class ReferenceEagle3Head(nn.Module):
         """Over the draft vocabulary."""
         return self.lm_head(_rms(out, self.norm.weight, self.eps))
 
-    def forward(self, token_ids: torch.Tensor, aux: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+    def forward(
+        self, token_ids: torch.Tensor, aux: torch.Tensor, num_steps: int, rows: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """`aux` `[T, 3 * target_hidden]` the target's aux vectors at positions 0..T-1, `token_ids` the
-        sequence (at least T long; tokens past its end read as 0). Returns the pre-norm outputs of steps 0..num_steps-1, `[T, hidden]` each: row p of step s
-        is meant to predict token p+2+s (rows past the end are padding, fed token 0)."""
+        sequence (at least T long; tokens past its end read as 0). Returns the pre-norm outputs of steps
+        0..num_steps-1: step 0 `[T, hidden]`, row p meant to predict token p+2; steps s > 0 for `rows` only
+        (default: all), `[len(rows), hidden]`, meant to predict token p+2+s (training runs the chained steps
+        on the answer's rows only: the prompt's rows matter as step-0 keys)."""
         length = aux.shape[0]
         positions = torch.arange(length)
         scale = 1.0 / math.sqrt(self.head_dim)
         padded = torch.cat([token_ids, token_ids.new_zeros(max(0, length + num_steps + 1 - len(token_ids)))])
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        outputs: list[torch.Tensor] = []
         hidden = self.fc(aux)
-        k0 = v0 = None
+        q, k0, v0, residual = self._qkv(padded[1 : 1 + length], hidden, positions)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        scores = torch.einsum("thd,shd->hts", q, k0) * scale
+        weights = scores.masked_fill(~causal, float("-inf")).float().softmax(dim=-1).to(q.dtype)
+        hidden = self._finish(torch.einsum("hts,shd->thd", weights, v0), residual)
+        outputs = [hidden]
+        if num_steps == 1:
+            return outputs
+        rows = positions if rows is None else rows
+        hidden = hidden[rows]
+        context = causal[rows]  # each chained row sees the step-0 keys at positions <= its own
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
-        for step in range(num_steps):
-            q, k, v, residual = self._qkv(padded[1 + step : 1 + step + length], hidden, positions + step)
-            if step == 0:
-                k0, v0 = k, v
-            else:
-                chain_k.append(k)
-                chain_v.append(v)
-            assert k0 is not None and v0 is not None
-            # [heads, T, T] over the step-0 keys (causal), then [heads, T, step] over this row's own chain.
-            scores = torch.einsum("thd,shd->hts", q, k0) * scale
-            scores = scores.masked_fill(~causal, float("-inf"))
-            if chain_k:
-                diag = torch.stack([(q * ck).sum(-1) for ck in chain_k], dim=-1).transpose(0, 1) * scale
-                scores = torch.cat([scores, diag], dim=-1)
-            weights = scores.float().softmax(dim=-1).to(q.dtype)
+        for step in range(1, num_steps):
+            q, k, v, residual = self._qkv(padded[rows + 1 + step], hidden, rows + step)
+            chain_k.append(k)
+            chain_v.append(v)
+            # [heads, rows, T] over the step-0 keys, then [heads, rows, step] over the row's own chain.
+            scores = (torch.einsum("thd,shd->hts", q, k0) * scale).masked_fill(~context, float("-inf"))
+            diag = torch.stack([(q * ck).sum(-1) for ck in chain_k], dim=-1).transpose(0, 1) * scale
+            weights = torch.cat([scores, diag], dim=-1).float().softmax(dim=-1).to(q.dtype)
             out = torch.einsum("hts,shd->thd", weights[..., :length], v0)
             for r, cv in enumerate(chain_v):
                 out = out + weights[..., length + r].transpose(0, 1)[..., None] * cv
@@ -162,8 +167,8 @@ class ReferenceEagle3Head(nn.Module):
         extended = list(token_ids)
         guesses: list[int] = []
         for step in range(num_tokens):
-            outputs = self.forward(torch.tensor(extended), aux[: anchor + 1], step + 1)
-            draft = int(self.logits(outputs[step][anchor]).argmax())
+            outputs = self.forward(torch.tensor(extended), aux[: anchor + 1], step + 1, torch.tensor([anchor]))
+            draft = int(self.logits(outputs[step][-1]).argmax())
             guess = draft + int(self.d2t[draft])
             guesses.append(guess)
             extended.append(guess)
