@@ -87,6 +87,19 @@ def measure(
     return totals
 
 
+def _timed(propose: Any, total: list[float]) -> Any:
+    """`propose`, adding its wall seconds and calls to `total` (where a speculative step's time goes)."""
+
+    def timed(batch: Any) -> Any:
+        started = time.perf_counter()
+        out = propose(batch)
+        total[0] += time.perf_counter() - started
+        total[1] += 1
+        return out
+
+    return timed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -144,10 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             speculative_max_batch_size=args.speculative_max_batch_size,
         )
     engines = {name: LLM(str(args.model), **common, **options) for name, options in configs.items()}
-    if args.fixed_k:
-        for llm in engines.values():
-            if llm.engine.speculator is not None:
-                llm.engine.speculator.adaptive = False
+    propose_time: dict[str, list[float]] = {}  # per engine: [seconds in propose, calls]
+    for name, llm in engines.items():
+        speculator = llm.engine.speculator
+        if speculator is None:
+            continue
+        if args.fixed_k:
+            speculator.adaptive = False
+        propose_time[name] = [0.0, 0]
+        speculator.proposer.propose = _timed(speculator.proposer.propose, propose_time[name])
     for llm in engines.values():  # warm-up: kernels, allocator, first-call paths
         measure(llm, prompts[:2], args.batch_size, 8, ignore_eos)
     from hearth.ops import cpu_kernels
@@ -191,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         speculator = engines[name].engine.speculator
         if speculator is not None:
+            seconds, calls = propose_time[name]
+            entry["propose_ms_per_call"] = round(1000 * seconds / max(1, calls), 2)
             entry["acceptance_rate"] = round(speculator.stats.acceptance_rate, 3)
             entry["mean_accepted_length"] = round(speculator.stats.mean_accepted_length, 3)
         report["configs"][name] = entry

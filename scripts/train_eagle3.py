@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-train-len", type=int, default=256, help="train on the last N tokens of each")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--data-cache", type=Path, default=None, help="keep/reuse the generations in this JSON")
     parser.add_argument("--time-budget-min", type=float, default=20.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -190,8 +191,15 @@ def main(argv: list[str] | None = None) -> int:
             args.model, agent_prompts(args.seed, args.conversations, args.paraphrase_share), args.max_prompt_len
         )
         ignore_eos = False
-    print(f"{len(prompts)} prompts; generating the target's answers", flush=True)
-    outputs = generate(args.model, prompts, args.max_tokens, ignore_eos)
+    if args.data_cache is not None and args.data_cache.exists():
+        cached = json.loads(args.data_cache.read_text())
+        prompts, outputs = cached["prompts"], cached["outputs"]
+        print(f"{len(prompts)} prompts and the target's answers from {args.data_cache}", flush=True)
+    else:
+        print(f"{len(prompts)} prompts; generating the target's answers", flush=True)
+        outputs = generate(args.model, prompts, args.max_tokens, ignore_eos)
+        if args.data_cache is not None:
+            args.data_cache.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
     gen_s = time.time() - started
     counts = Counter(t for out in outputs for t in out)
     counts.update(t for p in prompts for t in p[-args.max_train_len :])
@@ -235,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
             aux = aux_cache.get(index)
             if aux is None:  # the target's streams see the whole sequence; the head trains on its tail
                 aux = aux_cache[index] = streams(tokens)[first:]
-            lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / max(1, total_steps)))
+            # Cosine over whichever runs out first, the steps or the time budget; a short warm-up.
+            progress = max(step / max(1, total_steps), (time.time() - train_started) / (args.time_budget_min * 60))
+            lr = args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
             for group in optimizer.param_groups:
-                group["lr"] = lr * min(1.0, (step + 1) / 50)
+                group["lr"] = lr * min(1.0, (step + 1) / 10)
             answer_start = len(prompt) - first  # index in token_ids of the first answer token
             # Rows whose first guess (token p + 2) is an answer token; the chained steps run on these only.
             rows = torch.arange(max(0, answer_start - 2), len(token_ids) - 2)
