@@ -125,10 +125,16 @@ class Worker:
         layout = dataclasses.replace(layout, num_layers=len(stage))
         self.kv_pool = KVPool(layout, num_pages, self.device)
         if self.kv_pool.quantized:
-            if parallel.pp_size > 1 or parallel.tp_size > 1:
-                # Calibration runs the whole model in one process, and checkpoint scales index global layers/heads.
-                raise ValueError("--kv-cache-dtype fp8_e4m3 with tensor or pipeline parallelism is not supported yet")
-            source = init_fp8_kv_scales(self.kv_pool, self.model, config.model, max_model_len)
+            # Sharded: the pool holds this stage's layers and this rank's KV heads, and so do its scales.
+            sharded = parallel.pp_size > 1 or parallel.tp_size > 1
+            source = init_fp8_kv_scales(
+                self.kv_pool,
+                self.model,
+                config.model,
+                max_model_len,
+                stage=stage if sharded else None,
+                model_shape=(model_config.num_layers, model_config.num_kv_heads) if sharded else None,
+            )
             logger.info("FP8 KV cache: per (layer, KV head) scales from %s", source)
         self.page_tag_check = make_page_tag_check(config.kv_integrity)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
