@@ -22,14 +22,22 @@ REQUESTS: list[tuple[str, list[str], str]] = [
     ("umbrella or not in Oslo??", ["get_weather", "search_web"], "get_weather"),
     ("Need the 5 day outlook for Lisbon", ["get_forecast", "get_time"], "get_forecast"),
     ("what time is it over in Asia/Tokyo", ["get_time", "get_weather"], "get_time"),
-    ("ping bob@example.com that the deploy is done, subject 'deploy'", ["send_email", "add_todo"], "send_email"),
+    (
+        "ping bob@example.com that the deploy is done, subject 'deploy'",
+        ["send_email", "add_todo"],
+        "send_email",
+    ),
     ("15 min timer for the pasta", ["set_timer", "set_reminder"], "set_timer"),
     ("how many yen is 250 USD right now", ["convert_currency", "get_stock_price"], "convert_currency"),
     ("AAPL quote pls", ["get_stock_price", "get_news"], "get_stock_price"),
     ("show me whats in /var/log", ["list_directory", "read_file"], "list_directory"),
     ("I wonder what 17 times 23 is", ["calculate", "define_word"], "calculate"),
     ("put 'buy milk' on my list, high priority", ["add_todo", "list_todos"], "add_todo"),
-    ("Could I get the Wikipedia blurb on Alan Turing", ["get_wikipedia_summary", "search_web"], "get_wikipedia_summary"),
+    (
+        "Could I get the Wikipedia blurb on Alan Turing",
+        ["get_wikipedia_summary", "search_web"],
+        "get_wikipedia_summary",
+    ),
     ("dim the kitchen lights to 30%", ["set_lights", "set_thermostat"], "set_lights"),
     ("where's my order #A1234", ["check_order_status", "order_product"], "check_order_status"),
     ("TRANSLATE 'good morning' INTO GERMAN", ["translate_text", "define_word"], "translate_text"),
@@ -39,7 +47,9 @@ REQUESTS: list[tuple[str, list[str], str]] = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, default=REPO_ROOT / "models" / "demo")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--output-json", type=Path, default=None)

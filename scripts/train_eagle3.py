@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO_ROOT / "src"))
 from hearth.model.eagle3_reference import ReferenceEagle3Head  # noqa: E402
 
 _POLITE = re.compile(
-    r"^(could you( please)?|can you( please)?|please|i'd like you to|i need you to|would you)\s+", re.IGNORECASE
+    r"^(could you( please)?|can you( please)?|please|i'd like you to|i need you to|would you)\s+",
+    re.IGNORECASE,
 )
 
 
@@ -140,7 +141,9 @@ def head_config(target: dict[str, Any], args: argparse.Namespace, draft_vocab_si
         "num_key_value_heads": target.get("num_key_value_heads") or heads,
         "head_dim": target.get("head_dim") or hidden // heads,
         "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
-        "rope_theta": (target.get("rope_parameters") or {}).get("rope_theta", target.get("rope_theta", 10000.0)),
+        "rope_theta": (target.get("rope_parameters") or {}).get(
+            "rope_theta", target.get("rope_theta", 10000.0)
+        ),
         "max_position_embeddings": target.get("max_position_embeddings", 4096),
         "vocab_size": target["vocab_size"],
         "draft_vocab_size": draft_vocab_size,
@@ -151,10 +154,14 @@ def head_config(target: dict[str, Any], args: argparse.Namespace, draft_vocab_si
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, default=REPO_ROOT / "models" / "demo")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "models" / "demo-eagle3")
-    parser.add_argument("--seed", type=int, default=7, help="conversation seed (not the target's 0, not eval's 4242)")
+    parser.add_argument(
+        "--seed", type=int, default=7, help="conversation seed (not the target's 0, not eval's 4242)"
+    )
     parser.add_argument("--conversations", type=int, default=160)
     parser.add_argument("--paraphrase-share", type=float, default=0.4)
     parser.add_argument("--random-prompts", type=int, default=0, help="N random-token prompts instead")
@@ -169,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-train-len", type=int, default=256, help="train on the last N tokens of each")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--data-cache", type=Path, default=None, help="keep/reuse the generations in this JSON")
+    parser.add_argument(
+        "--data-cache", type=Path, default=None, help="keep/reuse the generations in this JSON"
+    )
     parser.add_argument("--time-budget-min", type=float, default=20.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -188,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         ignore_eos = True
     else:
         prompts = encode_prompts(
-            args.model, agent_prompts(args.seed, args.conversations, args.paraphrase_share), args.max_prompt_len
+            args.model,
+            agent_prompts(args.seed, args.conversations, args.paraphrase_share),
+            args.max_prompt_len,
         )
         ignore_eos = False
     if args.data_cache is not None and args.data_cache.exists():
@@ -215,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     head = ReferenceEagle3Head(config, streams.embedding)
     with torch.no_grad():
-        for name, param in head.named_parameters():
+        for param in head.parameters():
             if param.dim() >= 2:
                 torch.nn.init.normal_(param, 0.0, 0.02)
         head.set_vocab(draft_to_target)
@@ -244,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             if aux is None:  # the target's streams see the whole sequence; the head trains on its tail
                 aux = aux_cache[index] = streams(tokens)[first:]
             # Cosine over whichever runs out first, the steps or the time budget; a short warm-up.
-            progress = max(step / max(1, total_steps), (time.time() - train_started) / (args.time_budget_min * 60))
+            progress = max(
+                step / max(1, total_steps), (time.time() - train_started) / (args.time_budget_min * 60)
+            )
             lr = args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
             for group in optimizer.param_groups:
                 group["lr"] = lr * min(1.0, (step + 1) / 10)

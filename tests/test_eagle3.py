@@ -67,7 +67,7 @@ def write_head(path: Path, target_dir: Path, seed: int, draft_vocab_size: int = 
     torch.manual_seed(seed)
     head = ReferenceEagle3Head(config, target_embedding(target_dir))
     with torch.no_grad():
-        for name, param in head.named_parameters():
+        for param in head.parameters():
             param.normal_(0.0, 0.3 if param.dim() >= 2 else 0.05).add_(1.0 if param.dim() == 1 else 0.0)
         # A reduced vocabulary whose ids are not the target's: d2t must be applied.
         chosen = torch.randperm(config["vocab_size"], generator=torch.Generator().manual_seed(seed))
@@ -147,7 +147,9 @@ def test_paged_head_proposes_what_the_reference_proposes(target_dir, tmp_path):
 )
 def test_greedy_output_is_unchanged_and_rollback_leaks_nothing(target_dir, tmp_path, engine_options):
     write_head(tmp_path / "head", target_dir, seed=2)
-    expected = LLM(str(target_dir), dtype="float32", num_threads=1, **engine_options).generate(PROMPTS, GREEDY)
+    expected = LLM(str(target_dir), dtype="float32", num_threads=1, **engine_options).generate(
+        PROMPTS, GREEDY
+    )
     llm = eagle_llm(target_dir, tmp_path / "head", k=4, **engine_options)
     got = llm.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
@@ -198,7 +200,11 @@ def test_shipped_demo_head_is_lossless_on_tool_calls():
             "function": {
                 "name": "get_weather",
                 "description": "Current weather in a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
             },
         }
     ]

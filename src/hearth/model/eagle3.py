@@ -72,7 +72,9 @@ class Eagle3Config:
         return cls.from_dict(json.loads(path.read_text()), num_target_layers, str(path))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], num_target_layers: int, source: str = "config.json") -> Eagle3Config:
+    def from_dict(
+        cls, raw: dict[str, Any], num_target_layers: int, source: str = "config.json"
+    ) -> Eagle3Config:
         from hearth.model.config import _rope_parameters
 
         def need(key: str) -> int:
@@ -82,13 +84,19 @@ class Eagle3Config:
             return value
 
         if raw.get("num_hidden_layers", 1) != 1:
-            raise ModelLoadError(f"{source}: an EAGLE-3 head has one decoder layer, not {raw['num_hidden_layers']}")
+            raise ModelLoadError(
+                f"{source}: an EAGLE-3 head has one decoder layer, not {raw['num_hidden_layers']}"
+            )
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         eagle_config = raw.get("eagle_config") or {}
         if eagle_config.get("use_aux_hidden_state", True) is False:
-            raise ModelLoadError(f"{source}: heads without aux hidden states (EAGLE-1/2 style) are not supported")
-        ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle_config.get("eagle_aux_hidden_state_layer_ids")
+            raise ModelLoadError(
+                f"{source}: heads without aux hidden states (EAGLE-1/2 style) are not supported"
+            )
+        ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle_config.get(
+            "eagle_aux_hidden_state_layer_ids"
+        )
         aux = tuple(int(i) for i in ids) if ids else cls.default_aux_layer_ids(num_target_layers)
         if len(aux) != 3 or not all(0 <= i <= num_target_layers for i in aux):
             raise ModelLoadError(
@@ -272,7 +280,9 @@ def load_eagle3_head(
                 loader(param, tensor.to(dtype), shard)
             else:
                 if tuple(param.shape) != tuple(tensor.shape):
-                    raise ModelLoadError(f"{head_dir}: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                    raise ModelLoadError(
+                        f"{head_dir}: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
                 param.data.copy_(tensor.to(param.dtype))
             filled.add((name, shard))
     expected = {("d2t", None)} | {

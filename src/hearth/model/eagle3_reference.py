@@ -82,7 +82,9 @@ class ReferenceEagle3Head(nn.Module):
         target_hidden = config.get("target_hidden_size") or hidden
         draft_vocab = config.get("draft_vocab_size") or config["vocab_size"]
         self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
-        self.midlayer = _MidLayer(hidden, config["intermediate_size"], self.heads, self.kv_heads, self.head_dim)
+        self.midlayer = _MidLayer(
+            hidden, config["intermediate_size"], self.heads, self.kv_heads, self.head_dim
+        )
         self.norm = _Norm(hidden)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
@@ -99,7 +101,9 @@ class ReferenceEagle3Head(nn.Module):
         layer = self.midlayer
         normed = _rms(hidden, layer.hidden_norm.weight, self.eps)
         residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([_rms(F.embedding(tokens, self.embed), layer.input_layernorm.weight, self.eps), normed], -1)
+        x = torch.cat(
+            [_rms(F.embedding(tokens, self.embed), layer.input_layernorm.weight, self.eps), normed], -1
+        )
         attn = layer.self_attn
         n = x.shape[0]
         q = _rotate(attn.q_proj(x).view(n, self.heads, self.head_dim), positions, self.theta)
@@ -167,7 +171,9 @@ class ReferenceEagle3Head(nn.Module):
         extended = list(token_ids)
         guesses: list[int] = []
         for step in range(num_tokens):
-            outputs = self.forward(torch.tensor(extended), aux[: anchor + 1], step + 1, torch.tensor([anchor]))
+            outputs = self.forward(
+                torch.tensor(extended), aux[: anchor + 1], step + 1, torch.tensor([anchor])
+            )
             draft = int(self.logits(outputs[step][-1]).argmax())
             guess = draft + int(self.d2t[draft])
             guesses.append(guess)

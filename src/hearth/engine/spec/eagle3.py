@@ -74,7 +74,11 @@ class HeadSequence:
 
     def take_features(self, count: int, width: int, like: torch.Tensor) -> torch.Tensor:
         """The aux vectors of the next `count` positions (zeros for any never received); consumes them."""
-        held = torch.cat(self.features) if len(self.features) > 1 else (self.features[0] if self.features else None)
+        held = (
+            torch.cat(self.features)
+            if len(self.features) > 1
+            else (self.features[0] if self.features else None)
+        )
         if held is None:
             held = like.new_zeros(0, width)
         if len(held) < count:
@@ -180,7 +184,9 @@ class Eagle3Proposer(Proposer):
         # The fc of every catch-up row's aux vectors in one matmul.
         like = self.head.norm.weight
         pending = [seq.take_features(count, self._aux_width, like) for _, seq, _, count in catch_up if count]
-        combined = self.head.combine(torch.cat(pending).to(self.head.d2t.device, like.dtype)) if pending else None
+        combined = (
+            self.head.combine(torch.cat(pending).to(self.head.d2t.device, like.dtype)) if pending else None
+        )
         offset = 0
         for index, sequence, feed, count in catch_up:
             parts = []
@@ -209,7 +215,9 @@ class Eagle3Proposer(Proposer):
         for request_id in [r for r in self._sequences if r not in keep_ids]:
             self.request_finished(request_id)
 
-    def _forward(self, rows: list[tuple[HeadSequence, list[int], torch.Tensor]]) -> tuple[list[int], torch.Tensor]:
+    def _forward(
+        self, rows: list[tuple[HeadSequence, list[int], torch.Tensor]]
+    ) -> tuple[list[int], torch.Tensor]:
         """One head step over the rows (each feeds its tokens after its computed ones with their hidden
         vectors); each row's guess (a target token id) and pre-norm output at its last position. One-token
         rows go first: the attention backend takes them as one decode batch."""
@@ -233,7 +241,9 @@ class Eagle3Proposer(Proposer):
             token_ids.extend(feed)
             positions.extend(range(start, end))
             page_ids = sequence.page_ids
-            slot_mapping.extend(page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
+            slot_mapping.extend(
+                page_ids[p // page_size] * page_size + p % page_size for p in range(start, end)
+            )
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
             row_pages.append(page_ids[: -(-end // page_size)])
@@ -321,7 +331,9 @@ def _build(
         kv_dtype=resolve_kv_dtype("auto", dtype),
         kind="mha",
     )
-    num_head_pages = num_pages + config.max_num_seqs  # the target's tokens plus a page per sequence of guesses
+    num_head_pages = (
+        num_pages + config.max_num_seqs
+    )  # the target's tokens plus a page per sequence of guesses
     kv_pool = KVPool(layout, num_head_pages, device)
     attention = select_backend(device)(
         device=device,
