@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 import torch
@@ -155,6 +155,8 @@ class Worker:
         )
         self.sampler = Sampler(sample_vocab_size, set(eos_token_ids))
         self._generators: dict[str, torch.Generator] = {}
+        # Called with each step after the model's forward (an EAGLE-3 proposer takes the step's aux hidden states).
+        self.after_forward: Callable[[StepInput], None] | None = None
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             # Compiled CPU kernels, loaded (or built, the first time) in the background so they never delay
@@ -225,7 +227,10 @@ class Worker:
             ids = ids.to(self.device)
         metadata = self.attention.prepare(step)
         ctx = AttentionContext(self.attention, metadata, self.kv_pool)
-        return self.model(ids[:num_tokens], ids[num_tokens : 2 * num_tokens], ctx, ids[2 * num_tokens :])
+        logits = self.model(ids[:num_tokens], ids[num_tokens : 2 * num_tokens], ctx, ids[2 * num_tokens :])
+        if self.after_forward is not None:
+            self.after_forward(step)
+        return logits
 
     def _sample(self, logits: torch.Tensor, sampling: list[StepSamplingRow]) -> StepOutput:
         """Greedy rows and rows without drafts go through the sampler in one batch (a greedy row keeps the run
