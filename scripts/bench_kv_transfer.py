@@ -4,10 +4,15 @@
 
 The layout defaults to a Llama-3-8B-like one (32 layers, 8 KV heads x 128, 16-token pages: 2 MiB per
 bf16 page; a 2k-token prompt is 128 pages). The sender runs in a child process with its own pool (as a
-prefill server would), the receiver here; each repeat is one transfer of `--pages` pages, timed from
-`send` to the receiver's event. Baselines, interleaved with it: a plain memory copy of the same number
-of bytes (`Tensor.copy_` of one contiguous buffer: the ceiling), and the same pages copied between two
-pools in one process with `read_pages` + `write_pages` (moving pages with no wire at all).
+prefill server would), the receiver here; each repeat is one transfer of `--pages` pages (scattered
+over the pools, as a real request's pages are), timed from `send` to the receiver's event.
+
+Measured interleaved in every repeat (so a noisy machine hits all of them alike):
+- `tcp`: the transport as shipped (socket buffers of `SOCKET_BUFFER_BYTES`);
+- `tcp_default_buffers`: the same with the kernel's autotuned socket buffers (the A/B of that setting);
+- `memcpy`: one `Tensor.copy_` of the same number of bytes between two contiguous buffers (the ceiling);
+- `pool_copy`: the same pages gathered from one pool and scattered into another in one process, by the
+  code the transport uses on each side (`PoolPageSource.read_into` + `pool_sink`), with no wire at all.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import random
 import statistics
 import time
 
@@ -24,28 +31,41 @@ from hearth.kv.pool import KVLayout, KVPool
 from hearth.kv_transfer import make_transport
 from hearth.kv_transfer.base import ReceiveSpec, SendSpec
 from hearth.kv_transfer.connector import PoolPageSource, pool_sink, wire_layout
+from hearth.kv_transfer.tcp import SOCKET_BUFFER_BYTES
 
 SECRET = b"bench"
+VARIANTS = {"tcp": SOCKET_BUFFER_BYTES, "tcp_default_buffers": 0}
 
 
 def layout_from(args: argparse.Namespace) -> KVLayout:
     return KVLayout(args.layers, args.kv_heads, args.head_dim, args.page_size, getattr(torch, args.dtype))
 
 
-def sender_main(args: argparse.Namespace, endpoint: str, jobs: mp.Queue, done: mp.Queue) -> None:
+def scattered_pages(count: int, pool_pages: int, seed: int) -> list[int]:
+    return random.Random(seed).sample(range(pool_pages), count)
+
+
+def sender_main(args: argparse.Namespace, jobs: mp.Queue, done: mp.Queue) -> None:
     torch.set_num_threads(1)
-    pool = KVPool(layout_from(args), args.pages)
+    pool = KVPool(layout_from(args), args.pages * 2)
     pool.storage.normal_()
-    transport = make_transport("tcp", wire_layout(pool.layout), SECRET, 60.0, pool_sink(pool))
-    pages = list(range(args.pages))
-    while (transfer_id := jobs.get()) is not None:
+    transports = {}
+    for name, buffer_bytes in VARIANTS.items():
+        transport = make_transport("tcp", wire_layout(pool.layout), SECRET, 60.0, pool_sink(pool))
+        transport.socket_buffer_bytes = buffer_bytes  # type: ignore[attr-defined]
+        transports[name] = transport
+    pages = scattered_pages(args.pages, args.pages * 2, 1)
+    while (job := jobs.get()) is not None:
+        name, transfer_id, endpoint = job
+        transport = transports[name]
         transport.send(
             SendSpec(transfer_id, endpoint, PoolPageSource(pool, pages), args.pages * args.page_size, 0)
         )
         while not (events := transport.events()):
             time.sleep(0.0005)
         done.put(events[0].ok)
-    transport.close()
+    for transport in transports.values():
+        transport.close()
 
 
 def main() -> None:
@@ -60,60 +80,69 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     layout = layout_from(args)
-    receiver_pool = KVPool(layout, args.pages)
+    receiver_pool = KVPool(layout, args.pages * 2)
     receiver_pool.storage.zero_()
-    source_pool = KVPool(layout, args.pages)
+    source_pool = KVPool(layout, args.pages * 2)
     source_pool.storage.normal_()
-    receiver = make_transport("tcp", wire_layout(layout), SECRET, 60.0, pool_sink(receiver_pool))
-    endpoint = receiver.listen("127.0.0.1", 0)
+    receivers, endpoints = {}, {}
+    for name, buffer_bytes in VARIANTS.items():
+        receiver = make_transport("tcp", wire_layout(layout), SECRET, 60.0, pool_sink(receiver_pool))
+        receiver.socket_buffer_bytes = buffer_bytes  # type: ignore[attr-defined]
+        receivers[name], endpoints[name] = receiver, receiver.listen("127.0.0.1", 0)
     context = mp.get_context("spawn")
     jobs, done = context.Queue(), context.Queue()
-    child = context.Process(target=sender_main, args=(args, endpoint, jobs, done))
+    child = context.Process(target=sender_main, args=(args, jobs, done))
     child.start()
-    pages = list(range(args.pages))
+    pages = scattered_pages(args.pages, args.pages * 2, 2)
+    source = PoolPageSource(source_pool, scattered_pages(args.pages, args.pages * 2, 1))
+    sink = pool_sink(receiver_pool)
+    staging = torch.empty((args.pages, *wire_layout(layout).page_shape()), dtype=layout.kv_dtype)
     total_bytes = args.pages * layout.bytes_per_page
     flat_src = torch.empty(total_bytes, dtype=torch.uint8).random_()
     flat_dst = torch.empty_like(flat_src)
-    tcp_s, copy_s, memcpy_s = [], [], []
+    times: dict[str, list[float]] = {name: [] for name in (*VARIANTS, "memcpy", "pool_copy")}
     for repeat in range(args.repeats + 1):  # the first round warms up (connections, page faults)
-        transfer_id = f"bench-{repeat}"
-        receiver.open_receive(ReceiveSpec(transfer_id, 0, pages, args.pages * args.page_size - 1, 0))
+        for name, receiver in receivers.items():
+            transfer_id = f"bench-{name}-{repeat}"
+            receiver.open_receive(ReceiveSpec(transfer_id, 0, pages, args.pages * args.page_size - 1, 0))
+            started = time.perf_counter()
+            jobs.put((name, transfer_id, endpoints[name]))
+            while not (events := receiver.events()):
+                time.sleep(0.0002)
+            elapsed = time.perf_counter() - started
+            assert events[0].ok and done.get(timeout=60), events
+            if repeat:
+                times[name].append(elapsed)
         started = time.perf_counter()
-        jobs.put(transfer_id)
-        while not (events := receiver.events()):
-            time.sleep(0.0002)
-        elapsed = time.perf_counter() - started
-        assert events[0].ok and done.get(timeout=60), events
-        started = time.perf_counter()
-        receiver_pool.write_pages(pages, source_pool.read_pages(pages))
+        source.read_into(0, args.pages, staging)
+        sink(pages, staging)
         copied = time.perf_counter() - started
         started = time.perf_counter()
         flat_dst.copy_(flat_src)
         memcopied = time.perf_counter() - started
         if repeat:
-            tcp_s.append(elapsed)
-            copy_s.append(copied)
-            memcpy_s.append(memcopied)
+            times["pool_copy"].append(copied)
+            times["memcpy"].append(memcopied)
     jobs.put(None)
     child.join(30)
-    receiver.close()
-    tcp, copy, memcpy = statistics.median(tcp_s), statistics.median(copy_s), statistics.median(memcpy_s)
-    print(
-        json.dumps(
-            {
-                "layout": wire_layout(layout).describe(),
-                "pages": args.pages,
-                "bytes": total_bytes,
-                "tcp_median_s": round(tcp, 4),
-                "tcp_GBps": round(total_bytes / tcp / 1e9, 3),
-                "tcp_pages_per_s": round(args.pages / tcp, 1),
-                "memcpy_median_s": round(memcpy, 4),
-                "memcpy_GBps": round(total_bytes / memcpy / 1e9, 3),
-                "pool_copy_GBps": round(total_bytes / copy / 1e9, 3),
-                "tcp_rate_vs_memcpy": round(memcpy / tcp, 3),
-            }
-        )
-    )
+    for receiver in receivers.values():
+        receiver.close()
+    median = {name: statistics.median(values) for name, values in times.items()}
+    result: dict[str, object] = {
+        "layout": wire_layout(layout).describe(),
+        "pages": args.pages,
+        "bytes": total_bytes,
+        "repeats": args.repeats,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+    for name, seconds in median.items():
+        result[f"{name}_median_s"] = round(seconds, 4)
+        result[f"{name}_GBps"] = round(total_bytes / seconds / 1e9, 3)
+        result[f"{name}_pages_per_s"] = round(args.pages / seconds, 1)
+    result["tcp_vs_memcpy"] = round(median["memcpy"] / median["tcp"], 3)
+    result["tcp_vs_pool_copy"] = round(median["pool_copy"] / median["tcp"], 3)
+    result["tcp_vs_default_buffers"] = round(median["tcp_default_buffers"] / median["tcp"], 3)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

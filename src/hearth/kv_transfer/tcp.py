@@ -42,6 +42,7 @@ from hearth.kv_transfer.base import (
     KVTransport,
     PageSink,
     ReceiveSpec,
+    Scales,
     SendSpec,
     TransferEvent,
     WireLayout,
@@ -55,6 +56,12 @@ PROTOCOL_VERSION = 1
 _LENGTH = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 20
 BATCH_BYTES = 8 << 20  # pages per batch: about this many bytes (at least one page)
+# Kernel socket buffers for page streams. Linux's autotuned default starts small on a fresh connection,
+# and loopback then runs at ~0.8 GB/s with nothing else to do (scripts/bench_kv_transfer.py); 4 MiB each
+# way (the default net.core.[rw]mem_max caps what a process may ask) about doubles that. Set before
+# connect/listen so the window scale the handshake negotiates can use it.
+SOCKET_BUFFER_BYTES = 4 << 20
+_FREE_BUFFERS = 4  # reusable batch buffers kept per transport (one per concurrent connection in use)
 _CLOSED_MEMORY = 65536  # closed/failed transfer ids remembered, so late senders are answered at once
 
 
@@ -75,6 +82,8 @@ class Auth(msgspec.Struct, tag=True):
     layout: WireLayout
     num_tokens: int
     prompt_hash: int
+    # An FP8 sender's scales, K then V, each `[num_layers, num_kv_heads]` row-major (float32 values).
+    scales: list[float] | None = None
 
 
 class Want(msgspec.Struct, tag=True):
@@ -126,6 +135,49 @@ def _recv_exact(sock: socket.socket, buffer: bytearray | memoryview) -> None:
         view = view[count:]
 
 
+def _tune(sock: socket.socket, buffer_bytes: int) -> None:
+    if buffer_bytes <= 0:  # 0: the kernel's autotuned default (scripts/bench_kv_transfer.py's baseline)
+        return
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, buffer_bytes)
+        except OSError:  # some platforms cap or refuse it: the default still works, slower
+            pass
+
+
+class _BufferPool:
+    """Batch buffers reused across batches and transfers: a fresh 8 MiB buffer per batch costs its
+    page faults (and zeroing) every time, which measured as much as the copy itself."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[bytearray] = []
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            for index, buffer in enumerate(self._free):
+                if len(buffer) >= size:
+                    return self._free.pop(index)
+        return bytearray(max(size, BATCH_BYTES))
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < _FREE_BUFFERS:
+                self._free.append(buffer)
+
+
+def _sendall_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """`sendall` of several buffers with `sendmsg` (no concatenation copy of the page bytes)."""
+    views = [memoryview(part).cast("B") for part in parts]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
 def send_message(sock: socket.socket, message: Message) -> None:
     data = _encoder.encode(message)
     sock.sendall(_LENGTH.pack(len(data)) + data)
@@ -148,6 +200,23 @@ def _expect(message: Message, kind: type[Message]) -> Message:
     return message
 
 
+def encode_scales(scales: Scales | None) -> list[float] | None:
+    if scales is None:
+        return None
+    return torch.stack(scales).float().flatten().tolist()
+
+
+def decode_scales(values: list[float] | None, layout: WireLayout) -> Scales | None:
+    if values is None:
+        return None
+    if len(values) != 2 * layout.num_layers * layout.num_kv_heads:
+        raise TransferError(f"{len(values)} FP8 scales sent, this layout takes 2 x layers x KV heads")
+    both = torch.tensor(values, dtype=torch.float32).view(2, layout.num_layers, layout.num_kv_heads)
+    if not bool(torch.isfinite(both).all()) or not bool((both > 0).all()):
+        raise TransferError("the sender's FP8 scales must be finite and > 0")
+    return both[0], both[1]
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     address = endpoint.removeprefix("tcp://")
     host, _, port = address.rpartition(":")
@@ -161,6 +230,9 @@ class TCPTransport(KVTransport):
     def __init__(self, layout: WireLayout, secret: bytes, timeout_s: float, sink: PageSink) -> None:
         super().__init__(layout, secret, timeout_s, sink)
         self.batch_bytes = BATCH_BYTES
+        self.socket_buffer_bytes = SOCKET_BUFFER_BYTES
+        self._buffers = _BufferPool()
+        self._local = threading.local()  # each connection thread's reused batch buffer
         self._cond = threading.Condition()  # guards everything below and every write into the pool
         self._open: dict[str, ReceiveSpec] = {}
         self._claimed: set[str] = set()  # open transfers a sender is connected for
@@ -173,7 +245,12 @@ class TCPTransport(KVTransport):
     # ---- the decode side ------------------------------------------------------------------------
 
     def listen(self, host: str, port: int) -> str:
-        server = socket.create_server((host, port), backlog=256, reuse_port=False)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server = socket.socket(family, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _tune(server, self.socket_buffer_bytes)  # accepted connections inherit the buffer sizes
+        server.bind((host, port))
+        server.listen(256)
         self._server = server
         bound_port = server.getsockname()[1]
         threading.Thread(target=self._accept_loop, name="hearth-kv-accept", daemon=True).start()
@@ -252,13 +329,21 @@ class TCPTransport(KVTransport):
                 try:
                     want = Want(spec.first_page, len(spec.page_ids))
                     send_message(sock, self._want_extras(want, payload))
-                    self._receive_pages(sock, spec, payload)
+                    self._receive_pages(sock, spec, payload, decode_scales(auth.scales, self.layout))
                 finally:
                     self._close_payload(payload)
         except (OSError, TransferError, msgspec.DecodeError, ValueError) as exc:
             if transfer_id is not None:
                 self._fail(transfer_id, f"transfer broken: {exc}")
+        except Exception as exc:  # a bug here must still end the transfer (its request recomputes)
+            logger.exception("KV transfer %s: receiving failed", transfer_id)
+            if transfer_id is not None:
+                self._fail(transfer_id, f"receiving failed: {type(exc).__name__}: {exc}")
         finally:
+            buffer = getattr(self._local, "buffer", None)
+            if buffer is not None:
+                self._local.buffer = None
+                self._buffers.give(buffer)
             if transfer_id is not None:
                 with self._cond:
                     self._claimed.discard(transfer_id)
@@ -284,10 +369,16 @@ class TCPTransport(KVTransport):
     def _want_extras(self, want: Want, payload: object) -> Want:
         return want
 
-    def _recv_payload(self, sock: socket.socket, payload: object, batch: Batch, size: int) -> bytearray:
-        buffer = bytearray(size)
-        _recv_exact(sock, buffer)
-        return buffer
+    def _recv_payload(self, sock: socket.socket, payload: object, batch: Batch, size: int) -> memoryview:
+        """The batch's bytes; valid until the next call for this connection (the buffer is reused)."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or len(buffer) < size:
+            if buffer is not None:
+                self._buffers.give(buffer)
+            buffer = self._local.buffer = self._buffers.take(size)
+        view = memoryview(buffer)[:size]
+        _recv_exact(sock, view)
+        return view
 
     def _close_payload(self, payload: object) -> None:
         pass
@@ -295,7 +386,9 @@ class TCPTransport(KVTransport):
     def _send_payload(self, sock: socket.socket, want: Want, raw: memoryview, offset: int) -> None:
         """Off-socket transports move `raw` here; on TCP it follows its Batch header."""
 
-    def _receive_pages(self, sock: socket.socket, spec: ReceiveSpec, payload: object) -> None:
+    def _receive_pages(
+        self, sock: socket.socket, spec: ReceiveSpec, payload: object, src_scales: Scales | None
+    ) -> None:
         layout = self.layout
         end_page = spec.first_page + len(spec.page_ids)
         next_page = spec.first_page
@@ -305,6 +398,8 @@ class TCPTransport(KVTransport):
             dtype = WIRE_DTYPES.get(batch.dtype)
             if dtype is None:
                 raise TransferError(f"pages in dtype {batch.dtype!r} cannot be received here")
+            if (dtype == torch.float8_e4m3fn) != (src_scales is not None):
+                raise TransferError("FP8 pages come with the sender's scales, and only FP8 pages do")
             if (
                 batch.first_page != next_page
                 or batch.num_pages < 1
@@ -312,8 +407,7 @@ class TCPTransport(KVTransport):
             ):
                 raise TransferError(f"batch of pages {batch.first_page}+{batch.num_pages} out of order")
             page_bytes = layout.page_bytes(dtype)
-            buffer = self._recv_payload(sock, payload, batch, page_bytes * batch.num_pages)
-            view = memoryview(buffer)
+            view = self._recv_payload(sock, payload, batch, page_bytes * batch.num_pages)
             if len(batch.checksums) != batch.num_pages:
                 raise TransferError("a batch must carry one checksum per page")
             for index, expected in enumerate(batch.checksums):
@@ -321,7 +415,7 @@ class TCPTransport(KVTransport):
                     verify_page_checksum(view[index * page_bytes : (index + 1) * page_bytes], expected)
                 except PageChecksumError as exc:
                     raise TransferError(f"page {batch.first_page + index}: {exc}") from exc
-            data = torch.frombuffer(buffer, dtype=dtype).view(batch.num_pages, *layout.page_shape())
+            data = torch.frombuffer(view, dtype=dtype).view(batch.num_pages, *layout.page_shape())
             offset = batch.first_page - spec.first_page
             with self._cond:
                 # The transfer id is checked on every write: a closed transfer's pages may already be
@@ -329,9 +423,9 @@ class TCPTransport(KVTransport):
                 if batch.transfer_id != spec.transfer_id or self._open.get(spec.transfer_id) is not spec:
                     self.counters.late_writes_dropped += batch.num_pages
                     raise TransferError("the transfer was closed; late pages dropped")
-                self.sink(spec.page_ids[offset : offset + batch.num_pages], data)
+                self.sink(spec.page_ids[offset : offset + batch.num_pages], data, src_scales)
                 self.counters.pages_received += batch.num_pages
-                self.counters.bytes_received += len(buffer)
+                self.counters.bytes_received += len(view)
             next_page += batch.num_pages
         _expect(recv_message(sock), Done)
         with self._cond:
@@ -359,7 +453,11 @@ class TCPTransport(KVTransport):
         ok, detail, num_pages = False, "", 0
         try:
             host, port = parse_endpoint(spec.endpoint)
-            with socket.create_connection((host, port), timeout=self.timeout_s) as sock:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                _tune(sock, self.socket_buffer_bytes)
+                sock.settimeout(self.timeout_s)
+                sock.connect((host, port))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 nonce = secrets.token_bytes(32)
                 send_message(sock, Hello(PROTOCOL_VERSION, spec.transfer_id, nonce))
@@ -374,6 +472,7 @@ class TCPTransport(KVTransport):
                         self.layout,
                         spec.num_tokens,
                         spec.prompt_hash,
+                        encode_scales(spec.source.scales),
                     ),
                 )
                 if not hmac.compare_digest(challenge.mac, _mac(self.secret, b"r", nonce, challenge.nonce)):
@@ -395,6 +494,9 @@ class TCPTransport(KVTransport):
         except (OSError, TransferError, msgspec.DecodeError, ValueError) as exc:
             detail = str(exc) or type(exc).__name__
             logger.warning("KV transfer %s to %s failed: %s", spec.transfer_id, spec.endpoint, detail)
+        except Exception as exc:  # a bug here must still answer the send: the pages it holds are released
+            detail = f"sending failed: {type(exc).__name__}: {exc}"
+            logger.exception("KV transfer %s to %s: sending failed", spec.transfer_id, spec.endpoint)
         with self._cond:
             self._push(TransferEvent(spec.transfer_id, "sent", ok, detail, num_pages if ok else 0))
 
@@ -404,29 +506,33 @@ class TCPTransport(KVTransport):
         end = want.first_page + want.num_pages
         if want.first_page < 0 or end > spec.source.num_pages:
             raise TransferError(f"pages {want.first_page}..{end} wanted, {spec.source.num_pages} held")
-        per_batch = None
-        offset = 0
-        first = want.first_page
-        while first < end:
-            if per_batch is None:
-                probe = spec.source.read(first, 1)
-                per_batch = max(1, self.batch_bytes // (probe.numel() * probe.element_size()))
-            count = min(per_batch, end - first)
-            data = spec.source.read(first, count).contiguous()
-            raw = memoryview(data.view(torch.uint8).numpy()).cast("B")
-            page_bytes = len(raw) // count
-            checksums = [page_checksum(raw[i * page_bytes : (i + 1) * page_bytes]) for i in range(count)]
-            self._send_payload(sock, want, raw, offset)  # off-socket bytes land before their header
-            send_message(
-                sock, Batch(spec.transfer_id, first, count, dtype_name(data.dtype), checksums, offset)
-            )
-            if want.remote is None:
-                sock.sendall(raw)
-            offset += len(raw)
-            with self._cond:
-                self.counters.pages_sent += count
-                self.counters.bytes_sent += len(raw)
-            first += count
+        page_bytes = self.layout.page_bytes(spec.source.dtype)
+        per_batch = max(1, self.batch_bytes // page_bytes)
+        staging = self._buffers.take(per_batch * page_bytes)  # reused: no page faults per batch
+        try:
+            offset = 0
+            first = want.first_page
+            while first < end:
+                count = min(per_batch, end - first)
+                raw = memoryview(staging)[: count * page_bytes]
+                out = torch.frombuffer(raw, dtype=spec.source.dtype).view(count, *self.layout.page_shape())
+                spec.source.read_into(first, count, out)
+                checksums = [page_checksum(raw[i * page_bytes : (i + 1) * page_bytes]) for i in range(count)]
+                self._send_payload(sock, want, raw, offset)  # off-socket bytes land before their header
+                header = _encoder.encode(
+                    Batch(spec.transfer_id, first, count, dtype_name(spec.source.dtype), checksums, offset)
+                )
+                if want.remote is None:  # header and pages in one call, the pages never copied in user space
+                    _sendall_parts(sock, [_LENGTH.pack(len(header)) + header, raw])
+                else:
+                    sock.sendall(_LENGTH.pack(len(header)) + header)
+                offset += len(raw)
+                with self._cond:
+                    self.counters.pages_sent += count
+                    self.counters.bytes_sent += len(raw)
+                first += count
+        finally:
+            self._buffers.give(staging)
         send_message(sock, Done(spec.transfer_id))
         return want.num_pages
 
