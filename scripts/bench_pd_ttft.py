@@ -44,9 +44,17 @@ SERVER_ARGS = "--max-model-len 9000 --kv-cache-memory 0.5 --page-size 16"
 class Deployment:
     """`hearth launch ...` as a child; its URLs from the ready line."""
 
-    def __init__(self, name: str, model: str, roles: list[str], port: int, log_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        roles: list[str],
+        port: int,
+        log_dir: Path,
+        server_args: str = SERVER_ARGS,
+    ) -> None:
         command = [sys.executable, "-m", "hearth.cli", "launch", "--model", model, *roles]
-        command += ["--port", str(port), "--server-args", SERVER_ARGS, "--ready-timeout", "900"]
+        command += ["--port", str(port), "--server-args", server_args, "--ready-timeout", "900"]
         command += ["--decode-args", "--kv-transfer-timeout 120"]
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("w")
