@@ -10,6 +10,8 @@ over the pools, as a real request's pages are), timed from `send` to the receive
 Measured interleaved in every repeat (so a noisy machine hits all of them alike):
 - `tcp`: the transport as shipped (socket buffers of `SOCKET_BUFFER_BYTES`);
 - `tcp_default_buffers`: the same with the kernel's autotuned socket buffers (the A/B of that setting);
+- `tcp_staged_send`: the same with the sender gathering each batch into a staging buffer before sending
+  (the A/B of sending straight from the pool's pages with `sendmsg`);
 - `memcpy`: one `Tensor.copy_` of the same number of bytes between two contiguous buffers (the ceiling);
 - `pool_copy`: the same pages gathered from one pool and scattered into another in one process, by the
   code the transport uses on each side (`PoolPageSource.read_into` + `pool_sink`), with no wire at all.
@@ -34,7 +36,12 @@ from hearth.kv_transfer.connector import PoolPageSource, pool_sink, wire_layout
 from hearth.kv_transfer.tcp import SOCKET_BUFFER_BYTES
 
 SECRET = b"bench"
-VARIANTS = {"tcp": SOCKET_BUFFER_BYTES, "tcp_default_buffers": 0}
+# name -> (socket buffer bytes, zero-copy send)
+VARIANTS = {
+    "tcp": (SOCKET_BUFFER_BYTES, True),
+    "tcp_default_buffers": (0, True),
+    "tcp_staged_send": (SOCKET_BUFFER_BYTES, False),
+}
 
 
 def layout_from(args: argparse.Namespace) -> KVLayout:
@@ -50,9 +57,10 @@ def sender_main(args: argparse.Namespace, jobs: mp.Queue, done: mp.Queue) -> Non
     pool = KVPool(layout_from(args), args.pages * 2)
     pool.storage.normal_()
     transports = {}
-    for name, buffer_bytes in VARIANTS.items():
+    for name, (buffer_bytes, zero_copy) in VARIANTS.items():
         transport = make_transport("tcp", wire_layout(pool.layout), SECRET, 60.0, pool_sink(pool))
         transport.socket_buffer_bytes = buffer_bytes  # type: ignore[attr-defined]
+        transport.zero_copy_send = zero_copy  # type: ignore[attr-defined]
         transports[name] = transport
     pages = scattered_pages(args.pages, args.pages * 2, 1)
     while (job := jobs.get()) is not None:
@@ -85,7 +93,7 @@ def main() -> None:
     source_pool = KVPool(layout, args.pages * 2)
     source_pool.storage.normal_()
     receivers, endpoints = {}, {}
-    for name, buffer_bytes in VARIANTS.items():
+    for name, (buffer_bytes, _) in VARIANTS.items():
         receiver = make_transport("tcp", wire_layout(layout), SECRET, 60.0, pool_sink(receiver_pool))
         receiver.socket_buffer_bytes = buffer_bytes  # type: ignore[attr-defined]
         receivers[name], endpoints[name] = receiver, receiver.listen("127.0.0.1", 0)
@@ -142,6 +150,7 @@ def main() -> None:
     result["tcp_vs_memcpy"] = round(median["memcpy"] / median["tcp"], 3)
     result["tcp_vs_pool_copy"] = round(median["pool_copy"] / median["tcp"], 3)
     result["tcp_vs_default_buffers"] = round(median["tcp_default_buffers"] / median["tcp"], 3)
+    result["tcp_vs_staged_send"] = round(median["tcp_staged_send"] / median["tcp"], 3)
     print(json.dumps(result))
 
 

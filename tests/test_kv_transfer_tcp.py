@@ -296,3 +296,25 @@ def test_fp8_pages_into_a_bf16_pool_are_dequantized() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_both_send_paths_deliver_the_same_bytes(zero_copy: bool) -> None:
+    """Pages sent straight from the pool's runs (sendmsg) or gathered into a staging buffer first."""
+    sender_pool, receiver_pool = make_pool(torch.bfloat16), make_pool(torch.bfloat16)
+    sender_pool.storage.normal_()
+    sender, receiver = transport(sender_pool), transport(receiver_pool)
+    sender.zero_copy_send = zero_copy  # type: ignore[attr-defined]
+    sender.batch_bytes = 3 * sender_pool.layout.bytes_per_page  # type: ignore[attr-defined]  # 3 batches
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        source_pages = [15, 0, 7, 3, 8, 2, 11]
+        receiver.open_receive(ReceiveSpec("z", 0, [1, 4, 6, 9, 10, 12, 14], 27, HASH))
+        sender.send(SendSpec("z", endpoint, PoolPageSource(sender_pool, source_pages), 28, HASH))
+        assert wait_events(receiver, 1)[0].ok and wait_events(sender, 1)[0].ok
+        assert torch.equal(
+            receiver_pool.read_pages([1, 4, 6, 9, 10, 12, 14]), sender_pool.read_pages(source_pages)
+        )
+    finally:
+        sender.close()
+        receiver.close()

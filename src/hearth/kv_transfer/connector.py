@@ -72,6 +72,9 @@ class PoolPageSource:
     def __init__(self, pool: KVPool, page_ids: list[int]) -> None:
         self.pool = pool
         self.page_ids = page_ids
+        self._bytes: memoryview | None = None
+        if pool.storage.device.type != "cpu":
+            self.page_runs = None  # type: ignore[assignment]  # GPU pools: gathered into host memory
 
     @property
     def num_pages(self) -> int:
@@ -84,6 +87,26 @@ class PoolPageSource:
     @property
     def scales(self) -> Scales | None:
         return pool_scales(self.pool)
+
+    def page_runs(self, first: int, count: int) -> list[memoryview]:
+        """Pages [first, first + count) as the contiguous byte runs of the pool that hold them, in wire
+        order (page, layer, K/V): the sender hands these to `sendmsg`, with no gather copy. Plain
+        memoryview slices of the storage (a tensor view per run costs more than the copy it saves)."""
+        layout = self.pool.layout
+        storage = self.pool.storage
+        if storage.device.type != "cpu":
+            raise ValueError("page runs are CPU memory")
+        if self._bytes is None:
+            self._bytes = memoryview(storage.view(torch.uint8).numpy()).cast("B")
+        run = layout.page_size * layout.num_kv_heads * layout.head_dim * storage.element_size()
+        plane_stride = self.pool.num_pages * run
+        planes = [plane * plane_stride for plane in range(layout.num_layers * layout.num_planes)]
+        whole = self._bytes
+        return [
+            whole[base + page_id * run : base + (page_id + 1) * run]
+            for page_id in self.page_ids[first : first + count]
+            for base in planes
+        ]
 
     def read_into(self, first: int, count: int, out: torch.Tensor) -> None:
         paged = _paged(self.pool)

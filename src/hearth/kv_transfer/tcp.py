@@ -35,6 +35,7 @@ from collections import OrderedDict
 
 import msgspec
 import torch
+import xxhash
 
 from hearth.kv.checksum import PageChecksumError, page_checksum, verify_page_checksum
 from hearth.kv_transfer.base import (
@@ -61,6 +62,7 @@ BATCH_BYTES = 8 << 20  # pages per batch: about this many bytes (at least one pa
 # way (the default net.core.[rw]mem_max caps what a process may ask) about doubles that. Set before
 # connect/listen so the window scale the handshake negotiates can use it.
 SOCKET_BUFFER_BYTES = 4 << 20
+_MAX_IOVECS = 512  # buffers per sendmsg call (Linux's IOV_MAX is 1024)
 _FREE_BUFFERS = 4  # reusable batch buffers kept per transport (one per concurrent connection in use)
 _CLOSED_MEMORY = 65536  # closed/failed transfer ids remembered, so late senders are answered at once
 
@@ -166,6 +168,14 @@ class _BufferPool:
                 self._free.append(buffer)
 
 
+def page_checksum_runs(runs: list[memoryview]) -> int:
+    """`page_checksum` of the concatenated runs, without concatenating them (xxh3 streams)."""
+    state = xxhash.xxh3_64()
+    for run in runs:
+        state.update(run)
+    return state.intdigest()
+
+
 def _sendall_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
     """`sendall` of several buffers with `sendmsg` (no concatenation copy of the page bytes)."""
     views = [memoryview(part).cast("B") for part in parts]
@@ -231,6 +241,7 @@ class TCPTransport(KVTransport):
         super().__init__(layout, secret, timeout_s, sink)
         self.batch_bytes = BATCH_BYTES
         self.socket_buffer_bytes = SOCKET_BUFFER_BYTES
+        self.zero_copy_send = True  # False: gather into a staging buffer first (the bench's A/B)
         self._buffers = _BufferPool()
         self._local = threading.local()  # each connection thread's reused batch buffer
         self._cond = threading.Condition()  # guards everything below and every write into the pool
@@ -508,6 +519,31 @@ class TCPTransport(KVTransport):
             raise TransferError(f"pages {want.first_page}..{end} wanted, {spec.source.num_pages} held")
         page_bytes = self.layout.page_bytes(spec.source.dtype)
         per_batch = max(1, self.batch_bytes // page_bytes)
+        page_runs = getattr(spec.source, "page_runs", None)
+        if want.remote is None and self.zero_copy_send and page_runs is not None:
+            # The kernel copies straight from the pool's pages (held until the send ends): no gather copy.
+            first = want.first_page
+            while first < end:
+                count = min(per_batch, end - first)
+                runs = page_runs(first, count)  # count pages x their contiguous runs, in wire order
+                per_page = len(runs) // count
+                checksums = [
+                    page_checksum_runs(runs[i * per_page : (i + 1) * per_page]) for i in range(count)
+                ]
+                header = _encoder.encode(
+                    Batch(spec.transfer_id, first, count, dtype_name(spec.source.dtype), checksums)
+                )
+                for start in range(0, len(runs), _MAX_IOVECS):
+                    parts = runs[start : start + _MAX_IOVECS]
+                    _sendall_parts(
+                        sock, [_LENGTH.pack(len(header)) + header, *parts] if start == 0 else parts
+                    )
+                with self._cond:
+                    self.counters.pages_sent += count
+                    self.counters.bytes_sent += count * page_bytes
+                first += count
+            send_message(sock, Done(spec.transfer_id))
+            return want.num_pages
         staging = self._buffers.take(per_batch * page_bytes)  # reused: no page faults per batch
         try:
             offset = 0
@@ -522,7 +558,7 @@ class TCPTransport(KVTransport):
                 header = _encoder.encode(
                     Batch(spec.transfer_id, first, count, dtype_name(spec.source.dtype), checksums, offset)
                 )
-                if want.remote is None:  # header and pages in one call, the pages never copied in user space
+                if want.remote is None:  # header and pages in one call (no concatenation copy)
                     _sendall_parts(sock, [_LENGTH.pack(len(header)) + header, raw])
                 else:
                     sock.sendall(_LENGTH.pack(len(header)) + header)
