@@ -12,6 +12,10 @@ Measured interleaved in every repeat (so a noisy machine hits all of them alike)
 - `tcp_default_buffers`: the same with the kernel's autotuned socket buffers (the A/B of that setting);
 - `tcp_staged_send`: the same with the sender gathering each batch into a staging buffer before sending
   (the A/B of sending straight from the pool's pages with `sendmsg`);
+- `tcp_buffered_receive`: the same with the receiver taking each batch into a buffer and copying it into
+  the pool (the A/B of `recvmsg_into` straight into the pool's pages);
+- `tcp_session4`: all three off, close to the transport before this work (it also allocated a fresh
+  buffer per batch on both sides, which this does not reproduce);
 - `memcpy`: one `Tensor.copy_` of the same number of bytes between two contiguous buffers (the ceiling);
 - `pool_copy`: the same pages gathered from one pool and scattered into another in one process, by the
   code the transport uses on each side (`PoolPageSource.read_into` + `pool_sink`), with no wire at all.
@@ -36,11 +40,13 @@ from hearth.kv_transfer.connector import PoolPageSource, pool_sink, wire_layout
 from hearth.kv_transfer.tcp import SOCKET_BUFFER_BYTES
 
 SECRET = b"bench"
-# name -> (socket buffer bytes, zero-copy send)
+# name -> (socket buffer bytes, zero-copy send, direct receive)
 VARIANTS = {
-    "tcp": (SOCKET_BUFFER_BYTES, True),
-    "tcp_default_buffers": (0, True),
-    "tcp_staged_send": (SOCKET_BUFFER_BYTES, False),
+    "tcp": (SOCKET_BUFFER_BYTES, True, True),
+    "tcp_default_buffers": (0, True, True),
+    "tcp_staged_send": (SOCKET_BUFFER_BYTES, False, True),
+    "tcp_buffered_receive": (SOCKET_BUFFER_BYTES, True, False),
+    "tcp_session4": (0, False, False),  # both of the above and the kernel's buffers: as session 4 shipped
 }
 
 
@@ -57,7 +63,7 @@ def sender_main(args: argparse.Namespace, jobs: mp.Queue, done: mp.Queue) -> Non
     pool = KVPool(layout_from(args), args.pages * 2)
     pool.storage.normal_()
     transports = {}
-    for name, (buffer_bytes, zero_copy) in VARIANTS.items():
+    for name, (buffer_bytes, zero_copy, _) in VARIANTS.items():
         transport = make_transport("tcp", wire_layout(pool.layout), SECRET, 60.0, pool_sink(pool))
         transport.socket_buffer_bytes = buffer_bytes  # type: ignore[attr-defined]
         transport.zero_copy_send = zero_copy  # type: ignore[attr-defined]
@@ -93,9 +99,10 @@ def main() -> None:
     source_pool = KVPool(layout, args.pages * 2)
     source_pool.storage.normal_()
     receivers, endpoints = {}, {}
-    for name, (buffer_bytes, _) in VARIANTS.items():
+    for name, (buffer_bytes, _, direct) in VARIANTS.items():
         receiver = make_transport("tcp", wire_layout(layout), SECRET, 60.0, pool_sink(receiver_pool))
         receiver.socket_buffer_bytes = buffer_bytes  # type: ignore[attr-defined]
+        receiver.direct_receive = direct  # type: ignore[attr-defined]
         receivers[name], endpoints[name] = receiver, receiver.listen("127.0.0.1", 0)
     context = mp.get_context("spawn")
     jobs, done = context.Queue(), context.Queue()
@@ -149,8 +156,9 @@ def main() -> None:
         result[f"{name}_pages_per_s"] = round(args.pages / seconds, 1)
     result["tcp_vs_memcpy"] = round(median["memcpy"] / median["tcp"], 3)
     result["tcp_vs_pool_copy"] = round(median["pool_copy"] / median["tcp"], 3)
-    result["tcp_vs_default_buffers"] = round(median["tcp_default_buffers"] / median["tcp"], 3)
-    result["tcp_vs_staged_send"] = round(median["tcp_staged_send"] / median["tcp"], 3)
+    for name in VARIANTS:
+        if name != "tcp":
+            result[f"tcp_vs_{name.removeprefix('tcp_')}"] = round(median[name] / median["tcp"], 3)
     print(json.dumps(result))
 
 

@@ -318,3 +318,49 @@ def test_both_send_paths_deliver_the_same_bytes(zero_copy: bool) -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_closing_while_bytes_land_straight_in_the_pool_stops_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same-dtype pages are received straight into the pool's pages. A close in the middle of a batch
+    must cut that receive and return only when no byte of it can land any more."""
+    from hearth.kv_transfer import tcp
+
+    sender_pool, receiver_pool = make_pool(torch.bfloat16), make_pool(torch.bfloat16)
+    sender_pool.storage.fill_(1.0)
+    sender, receiver = transport(sender_pool), transport(receiver_pool)
+    midway, go = threading.Event(), threading.Event()
+    original = tcp._sendall_parts
+
+    def stalling(sock, parts):  # type: ignore[no-untyped-def]
+        if len(parts) > 2:  # a batch: its header and the first runs, then a stall mid-batch
+            original(sock, parts[:3])
+            midway.set()
+            assert go.wait(10)
+            parts = parts[3:]
+        original(sock, parts)
+
+    monkeypatch.setattr(tcp, "_sendall_parts", stalling)
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        receiver.open_receive(ReceiveSpec("mid", 0, [5, 6], 7, HASH))
+        sender.send(SendSpec("mid", endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH))
+        assert midway.wait(10)
+        deadline = time.monotonic() + 10
+        while "mid" not in receiver._writing:  # type: ignore[attr-defined]  # in recvmsg_into now
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        receiver.close_receive("mid")
+        assert time.monotonic() - started < 5  # cut, not waited out to the socket timeout
+        # The pages are freed and reused by another request, which writes its own KV there.
+        receiver_pool.write_pages([5, 6], torch.full_like(receiver_pool.read_pages([5, 6]), 7.0))
+        go.set()
+        (sent,) = wait_events(sender, 1)
+        assert not sent.ok
+        time.sleep(0.2)
+        assert bool((receiver_pool.read_pages([5, 6]) == 7.0).all())  # nothing of the old transfer landed
+        assert receiver.events() == []  # a closed receive is not answered
+    finally:
+        go.set()
+        sender.close()
+        receiver.close()

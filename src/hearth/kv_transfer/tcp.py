@@ -176,6 +176,21 @@ def page_checksum_runs(runs: list[memoryview]) -> int:
     return state.intdigest()
 
 
+def _recv_exact_parts(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every buffer of `views` in order from the socket (`recvmsg_into`: one call, many buffers)."""
+    views = list(views)
+    first = 0
+    while first < len(views):
+        count = sock.recvmsg_into(views[first : first + _MAX_IOVECS])[0]
+        if count == 0:
+            raise TransferError("the peer closed the connection mid-transfer")
+        while first < len(views) and count >= len(views[first]):
+            count -= len(views[first])
+            first += 1
+        if count:
+            views[first] = views[first][count:]
+
+
 def _sendall_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
     """`sendall` of several buffers with `sendmsg` (no concatenation copy of the page bytes)."""
     views = [memoryview(part).cast("B") for part in parts]
@@ -242,6 +257,8 @@ class TCPTransport(KVTransport):
         self.batch_bytes = BATCH_BYTES
         self.socket_buffer_bytes = SOCKET_BUFFER_BYTES
         self.zero_copy_send = True  # False: gather into a staging buffer first (the bench's A/B)
+        self.direct_receive = True  # False: receive into a buffer, then copy into the pool (the A/B)
+        self._writing: dict[str, socket.socket] = {}  # transfers whose bytes are being received into the pool
         self._buffers = _BufferPool()
         self._local = threading.local()  # each connection thread's reused batch buffer
         self._cond = threading.Condition()  # guards everything below and every write into the pool
@@ -278,10 +295,19 @@ class TCPTransport(KVTransport):
             self._cond.notify_all()
 
     def close_receive(self, transfer_id: str) -> None:
-        with self._cond:  # a write in progress holds this lock: when we have it, none is under way
+        with self._cond:  # a copy into the pool holds this lock: when we have it, none is under way
             self._open.pop(transfer_id, None)
             self._remember(self._closed, transfer_id, None)
             self._cond.notify_all()
+            sock = self._writing.get(transfer_id)
+            if sock is not None:
+                # Bytes are being received straight into its pages: cut the connection (the receive
+                # returns at once) and wait until that thread has left the pool.
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self._cond.wait_for(lambda: transfer_id not in self._writing)
 
     def _accept_loop(self) -> None:
         server = self._server
@@ -418,25 +444,36 @@ class TCPTransport(KVTransport):
             ):
                 raise TransferError(f"batch of pages {batch.first_page}+{batch.num_pages} out of order")
             page_bytes = layout.page_bytes(dtype)
-            view = self._recv_payload(sock, payload, batch, page_bytes * batch.num_pages)
             if len(batch.checksums) != batch.num_pages:
                 raise TransferError("a batch must carry one checksum per page")
-            for index, expected in enumerate(batch.checksums):
-                try:
-                    verify_page_checksum(view[index * page_bytes : (index + 1) * page_bytes], expected)
-                except PageChecksumError as exc:
-                    raise TransferError(f"page {batch.first_page + index}: {exc}") from exc
-            data = torch.frombuffer(view, dtype=dtype).view(batch.num_pages, *layout.page_shape())
             offset = batch.first_page - spec.first_page
+            page_ids = spec.page_ids[offset : offset + batch.num_pages]
+            page_runs = getattr(self.sink, "page_runs", None)
+            runs = (
+                page_runs(page_ids, dtype)
+                if page_runs is not None and payload is None and src_scales is None and self.direct_receive
+                else None
+            )
+            if runs is not None:
+                self._receive_into_pool(sock, spec, batch, runs)
+            else:
+                view = self._recv_payload(sock, payload, batch, page_bytes * batch.num_pages)
+                for index, expected in enumerate(batch.checksums):
+                    try:
+                        verify_page_checksum(view[index * page_bytes : (index + 1) * page_bytes], expected)
+                    except PageChecksumError as exc:
+                        raise TransferError(f"page {batch.first_page + index}: {exc}") from exc
+                data = torch.frombuffer(view, dtype=dtype).view(batch.num_pages, *layout.page_shape())
+                with self._cond:
+                    # The transfer id is checked on every write: a closed transfer's pages may already be
+                    # another request's, so its late pages are dropped, never written.
+                    if batch.transfer_id != spec.transfer_id or self._open.get(spec.transfer_id) is not spec:
+                        self.counters.late_writes_dropped += batch.num_pages
+                        raise TransferError("the transfer was closed; late pages dropped")
+                    self.sink(page_ids, data, src_scales)
             with self._cond:
-                # The transfer id is checked on every write: a closed transfer's pages may already be
-                # another request's, so its late pages are dropped, never written.
-                if batch.transfer_id != spec.transfer_id or self._open.get(spec.transfer_id) is not spec:
-                    self.counters.late_writes_dropped += batch.num_pages
-                    raise TransferError("the transfer was closed; late pages dropped")
-                self.sink(spec.page_ids[offset : offset + batch.num_pages], data, src_scales)
                 self.counters.pages_received += batch.num_pages
-                self.counters.bytes_received += len(view)
+                self.counters.bytes_received += page_bytes * batch.num_pages
             next_page += batch.num_pages
         _expect(recv_message(sock), Done)
         with self._cond:
@@ -446,6 +483,37 @@ class TCPTransport(KVTransport):
                 self._remember(self._closed, spec.transfer_id, None)
                 self._push(TransferEvent(spec.transfer_id, "received", True, num_pages=len(spec.page_ids)))
         send_message(sock, Ack(ok, None if ok else "the transfer was closed"))
+
+    def _receive_into_pool(
+        self, sock: socket.socket, spec: ReceiveSpec, batch: Batch, runs: list[memoryview]
+    ) -> None:
+        """The batch's bytes straight into the pool's pages (`recvmsg_into` over their runs): no buffer,
+        no copy. The transfer is registered as writing while the bytes land; `close_receive` cuts the
+        socket and waits for this to end, so no byte lands after it returns. The checksums are verified
+        on the pool's bytes afterwards: a mismatch fails the transfer (its pages are recomputed, and
+        they were never visible to a request, which waits for the load to end)."""
+        with self._cond:
+            if batch.transfer_id != spec.transfer_id or self._open.get(spec.transfer_id) is not spec:
+                self.counters.late_writes_dropped += batch.num_pages
+                raise TransferError("the transfer was closed; late pages dropped")
+            self._writing[spec.transfer_id] = sock
+        try:
+            _recv_exact_parts(sock, runs)
+        finally:
+            with self._cond:
+                del self._writing[spec.transfer_id]
+                self._cond.notify_all()
+                closed = self._open.get(spec.transfer_id) is not spec
+        if closed:
+            raise TransferError("the transfer was closed mid-batch")
+        per_page = len(runs) // batch.num_pages
+        for index, expected in enumerate(batch.checksums):
+            found = page_checksum_runs(runs[index * per_page : (index + 1) * per_page])
+            if found != expected:
+                raise TransferError(
+                    f"page {batch.first_page + index}: page checksum mismatch: expected {expected:#018x}, "
+                    f"found {found:#018x}"
+                )
 
     def _fail(self, transfer_id: str, reason: str) -> None:
         with self._cond:
