@@ -9,12 +9,18 @@ an xxh3 checksum). Nothing is pickled, and a batch of many pages is streamed wit
     Hello(transfer_id, nonce_s)        ─▶
                                         ◀─    Challenge(nonce_r, HMAC(secret, r|nonce_s|nonce_r), layout)
     Auth(HMAC(secret, s|nonce_r|nonce_s),
-         layout, num_tokens, prompt_hash) ─▶   checks the MAC and the layout, waits (up to the timeout)
+         layout, num_tokens, prompt_hash,
+         FP8 scales if the pages are FP8) ─▶   checks the MAC and the layout, waits (up to the timeout)
                                                for the decode request to open the transfer
                                         ◀─    Want(first_page, num_pages) | Want(0, 0, error)
     Batch(transfer_id, ...) + bytes ... ─▶    each batch: checksums, then written under the lock, only
     Done(transfer_id)                  ─▶     if the transfer is still open (else dropped and counted)
                                         ◀─    Ack(ok)
+
+Bytes are copied in user space only where they must be converted: the sender `sendmsg`s the pool's own
+page runs, and a receiver whose pool has the wire's dtype `recvmsg_into`s them straight into its pages
+(a close cuts that receive and waits for it). Other dtypes (and FP8 scales) are converted at the
+receiver through `hearth.kv.convert`, with its own scales.
 
 Both sides prove they hold the deployment's secret (a challenge each way, so neither a stray sender nor
 a stray listener gets KV). A refused handshake fails the transfer at once on the decode side (its
