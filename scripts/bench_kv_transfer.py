@@ -19,6 +19,8 @@ Measured interleaved in every repeat (so a noisy machine hits all of them alike)
 - `memcpy`: one `Tensor.copy_` of the same number of bytes between two contiguous buffers (the ceiling);
 - `pool_copy`: the same pages gathered from one pool and scattered into another in one process, by the
   code the transport uses on each side (`PoolPageSource.read_into` + `pool_sink`), with no wire at all.
+Each transfer's CPU time (sender and receiver process together) is reported too: on a busy machine it
+is steadier than the wall time, and it is what bounds the rate when the transfer is CPU-bound.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import select
 import statistics
 import time
 
@@ -75,9 +78,10 @@ def sender_main(args: argparse.Namespace, jobs: mp.Queue, done: mp.Queue) -> Non
         transport.send(
             SendSpec(transfer_id, endpoint, PoolPageSource(pool, pages), args.pages * args.page_size, 0)
         )
+        cpu_started = time.process_time()
         while not (events := transport.events()):
-            time.sleep(0.0005)
-        done.put(events[0].ok)
+            select.select([transport.wakeup_fd], [], [], 1.0)
+        done.put((events[0].ok, time.process_time() - cpu_started))
     for transport in transports.values():
         transport.close()
 
@@ -116,18 +120,21 @@ def main() -> None:
     flat_src = torch.empty(total_bytes, dtype=torch.uint8).random_()
     flat_dst = torch.empty_like(flat_src)
     times: dict[str, list[float]] = {name: [] for name in (*VARIANTS, "memcpy", "pool_copy")}
+    cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}  # sender + receiver CPU seconds
     for repeat in range(args.repeats + 1):  # the first round warms up (connections, page faults)
         for name, receiver in receivers.items():
             transfer_id = f"bench-{name}-{repeat}"
             receiver.open_receive(ReceiveSpec(transfer_id, 0, pages, args.pages * args.page_size - 1, 0))
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             jobs.put((name, transfer_id, endpoints[name]))
             while not (events := receiver.events()):
-                time.sleep(0.0002)
-            elapsed = time.perf_counter() - started
-            assert events[0].ok and done.get(timeout=60), events
+                select.select([receiver.wakeup_fd], [], [], 1.0)
+            elapsed, receiver_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+            sent_ok, sender_cpu = done.get(timeout=60)
+            assert events[0].ok and sent_ok, events
             if repeat:
                 times[name].append(elapsed)
+                cpu[name].append(receiver_cpu + sender_cpu)
         started = time.perf_counter()
         source.read_into(0, args.pages, staging)
         sink(pages, staging)
@@ -157,8 +164,14 @@ def main() -> None:
     result["tcp_vs_memcpy"] = round(median["memcpy"] / median["tcp"], 3)
     result["tcp_vs_pool_copy"] = round(median["pool_copy"] / median["tcp"], 3)
     for name in VARIANTS:
+        result[f"{name}_cpu_s"] = round(statistics.median(cpu[name]), 4)
+    for name in VARIANTS:
         if name != "tcp":
             result[f"tcp_vs_{name.removeprefix('tcp_')}"] = round(median[name] / median["tcp"], 3)
+            # CPU seconds per transfer (both processes): what bounds the rate on a busy or a quiet machine
+            result[f"cpu_{name.removeprefix('tcp_')}_over_tcp"] = round(
+                statistics.median(cpu[name]) / statistics.median(cpu["tcp"]), 3
+            )
     print(json.dumps(result))
 
 
