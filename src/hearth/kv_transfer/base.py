@@ -108,7 +108,7 @@ class PageSource(Protocol):
 
 # Writes pages (`[count, *page_shape]`, any wire dtype, CPU; with the sender's scales when FP8) into the
 # named pool pages, converting to the pool's dtype and scales.
-PageSink = Callable[[list[int], torch.Tensor, "Scales | None"], None]
+PageSink = Callable[[list[int], torch.Tensor, Scales | None], None]
 
 
 @dataclass
