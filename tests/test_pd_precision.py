@@ -4,7 +4,8 @@ FP8-KV + INT4-weight decode server, compared with a mixed server of the decode c
 What is deterministic, and so what is asserted exactly:
 - the decode server really uses the prefill's KV: pages moved, no transfer failed, nothing recomputed
   (before the receiver converted, BF16 pages into an FP8 pool failed and were silently recomputed);
-- the PD answer is repeatable: the same request again gives the same tokens and logprobs bit for bit;
+- the PD answer is repeatable: the same request again gives the same tokens, and logprobs equal to float32
+  rounding (the CPU kernels' reduction order is not fixed from one step to the next);
 - the conversion itself is bit-exact against `convert_pages` (tests/test_kv_transfer_tcp.py).
 
 What is not: PD and the mixed server compute the prompt's KV differently (BF16 weights into a BF16 pool,
@@ -99,7 +100,9 @@ def test_bf16_prefill_into_an_fp8_int4_decode_server(tmp_path: Path) -> None:
             probabilities = math.exp(got["token_logprobs"][0]), math.exp(want["token_logprobs"][0])
             assert abs(probabilities[0] - probabilities[1]) < 0.05, (prompt, probabilities)
             again = complete(router, prompt)  # the decode server's cached FP8 pages are the converted ones
-            assert again["tokens"] == got["tokens"] and again["token_logprobs"] == got["token_logprobs"]
+            assert again["tokens"] == got["tokens"]
+            # to float32 rounding: the CPU kernels' reduction order may differ between runs
+            assert again["token_logprobs"] == pytest.approx(got["token_logprobs"], abs=1e-4)
         assert metric(decode, "hearth_kv_transfer_failures_total") == 0
         assert metric(decode, "hearth_kv_recomputed_tokens_total") == 0
     finally:
