@@ -1,5 +1,5 @@
-"""INT4 vs bf16 skinny linear kernels per weight shape, interleaved; the fastest of `--rounds` rounds per side
-(on a shared machine the minimum is the least disturbed run).
+"""INT4 (W4A8 and W4A16) vs bf16 skinny linear kernels per weight shape, interleaved; the fastest single call
+of `--rounds` rounds per side (on a shared machine the minimum is the least disturbed run).
 
     TORCH_EXTENSIONS_DIR=/tmp/k python scripts/bench_int4_linear.py --shapes 2816x512 32000x512 --rows 1 4 16
 """
@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -17,10 +18,14 @@ from hearth.ops.linear import linear, prepare_linear_weights
 
 
 def timed(fn, repeats: int) -> float:
-    start = time.perf_counter()
+    """The fastest of `repeats` calls, each timed alone: on a loaded machine a block of calls longer than a
+    scheduler slice always includes other processes' time, one short call often does not."""
+    best = float("inf")
     for _ in range(repeats):
+        start = time.perf_counter()
         fn()
-    return (time.perf_counter() - start) / repeats
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
@@ -33,23 +38,25 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu_kernels.paged_decode_attention_kernel(wait=True)
-    print("| out x in | rows | bf16 us | int4 us | bf16 / int4 |")
-    print("|---|---|---|---|---|")
+    print("| out x in | rows | bf16 us | int4 W4A16 us | int4 W4A8 us | bf16 / W4A16 | bf16 / W4A8 |")
+    print("|---|---|---|---|---|---|---|")
     for shape in args.shapes:
         out, k = map(int, shape.split("x"))
         weight = torch.randn(out, k).to(torch.bfloat16).float()
         dense = prepare_linear_weights(weight)
         q, scales, zeros = quantize_rtn(weight, 128)
-        int4 = make_int4_weights(q, scales, zeros, 128)
+        int4 = dataclasses.replace(make_int4_weights(q, scales, zeros, 128), int8_activations=True)
+        int4_f32 = dataclasses.replace(int4, int8_activations=False)
         for rows in args.rows:
             x = torch.randn(rows, k)
             repeats = max(3, int(2e7 / (out * k)))
-            bf16_s, int4_s = [], []
+            bf16_s, f32_s, int4_s = [], [], []
             for _ in range(args.rounds):
                 bf16_s.append(timed(lambda x=x, dense=dense: linear(x, dense, None), repeats))
+                f32_s.append(timed(lambda x=x, w=int4_f32: int4_linear(x, w, None), repeats))
                 int4_s.append(timed(lambda x=x, int4=int4: int4_linear(x, int4, None), repeats))
-            b, i = min(bf16_s) * 1e6, min(int4_s) * 1e6
-            print(f"| {shape} | {rows} | {b:.0f} | {i:.0f} | {b / i:.2f}x |")
+            b, f, i = min(bf16_s) * 1e6, min(f32_s) * 1e6, min(int4_s) * 1e6
+            print(f"| {shape} | {rows} | {b:.0f} | {f:.0f} | {i:.0f} | {b / f:.2f}x | {b / i:.2f}x |")
 
 
 if __name__ == "__main__":

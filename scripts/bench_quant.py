@@ -4,7 +4,8 @@ and noisy: each round times every configuration once, and the median per configu
     TORCH_EXTENSIONS_DIR=/tmp/k python scripts/bench_quant.py --model /tmp/bench-models/llama-tiny-rand \
         --configs auto:auto int4:auto --batches 1 4 16
 
-A configuration is `WEIGHTS:KV` (`--quantization`, `--kv-cache-dtype`). Prints a Markdown table and, with
+A configuration is `WEIGHTS:KV` (`--quantization`, `--kv-cache-dtype`); `int4@float` is `int4` with the kernel's
+activations kept float32 (`HEARTH_INT4_ACTIVATIONS=float`, W4A16) instead of int8 (W4A8). Prints a Markdown table and, with
 `--json`, writes the numbers.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -48,9 +50,16 @@ def main() -> None:
     llms = {}
     for config in args.configs:
         weights, kv = config.split(":")
+        weights, _, activations = weights.partition("@")
+        os.environ["HEARTH_INT4_ACTIVATIONS"] = activations or "int8"  # read as the layers are built
         llms[config] = LLM(
-            args.model, quantization=weights, kv_cache_dtype=kv, max_num_seqs=max(args.batches), num_threads=args.num_threads
+            args.model,
+            quantization=weights,
+            kv_cache_dtype=kv,
+            max_num_seqs=max(args.batches),
+            num_threads=args.num_threads,
         )
+        os.environ.pop("HEARTH_INT4_ACTIVATIONS")
     results: dict[str, dict[int, float]] = {config: {} for config in args.configs}
     for batch in args.batches:
         budget = args.steps * (args.rounds + 2) + 8

@@ -6,6 +6,7 @@ hits them alike; the report gives ratios to the no-speculation baseline of the s
 
     python scripts/bench_speculative.py --batch-size 1 --methods ngram draft --rounds 3
     python scripts/bench_speculative.py --batch-size 64 --methods ngram draft --max-tokens 64
+    python scripts/bench_speculative.py --batch-size 1 --methods ngram eagle3 --fixed-k  # accepted length at K
     python scripts/bench_speculative.py --model M --speculative-model D --random-prompts 200  # any model
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -85,13 +87,32 @@ def measure(
     return totals
 
 
+def _timed(propose: Any, total: list[float]) -> Any:
+    """`propose`, adding its wall seconds and calls to `total` (where a speculative step's time goes)."""
+
+    def timed(batch: Any) -> Any:
+        started = time.perf_counter()
+        out = propose(batch)
+        total[0] += time.perf_counter() - started
+        total[1] += 1
+        return out
+
+    return timed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", type=Path, default=REPO_ROOT / "models" / "demo")
     parser.add_argument("--speculative-model", type=Path, default=REPO_ROOT / "models" / "demo-draft")
+    parser.add_argument(
+        "--eagle3-model", type=Path, default=REPO_ROOT / "models" / "demo-eagle3", help="the head for eagle3"
+    )
     parser.add_argument("--methods", nargs="+", default=["ngram", "draft"])
+    parser.add_argument(
+        "--fixed-k", action="store_true", help="no adaptive K or payoff switch: K drafts on every step"
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--speculative-max-batch-size", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=1)
@@ -127,22 +148,43 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.methods:
         configs[method] = dict(
             speculative_method=method,
-            speculative_model=str(args.speculative_model) if method != "ngram" else None,
+            speculative_model=(
+                None
+                if method == "ngram"
+                else str(args.eagle3_model if method == "eagle3" else args.speculative_model)
+            ),
             num_speculative_tokens=args.num_speculative_tokens,
             speculative_max_batch_size=args.speculative_max_batch_size,
         )
     engines = {name: LLM(str(args.model), **common, **options) for name, options in configs.items()}
+    propose_time: dict[str, list[float]] = {}  # per engine: [seconds in propose, calls]
+    for name, llm in engines.items():
+        speculator = llm.engine.speculator
+        if speculator is None:
+            continue
+        if args.fixed_k:
+            speculator.adaptive = False
+        propose_time[name] = [0.0, 0]
+        speculator.proposer.propose = _timed(speculator.proposer.propose, propose_time[name])
     for llm in engines.values():  # warm-up: kernels, allocator, first-call paths
         measure(llm, prompts[:2], args.batch_size, 8, ignore_eos)
     from hearth.ops import cpu_kernels
 
     cpu_kernels.paged_decode_attention_kernel(wait=True)
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    load_before = os.getloadavg()
     for _ in range(args.rounds):
         for name, llm in engines.items():
             llm.engine.kv.reset_prefix_cache()
             rounds[name].append(measure(llm, prompts, args.batch_size, args.max_tokens, ignore_eos))
-    report: dict[str, Any] = {"batch_size": args.batch_size, "num_prompts": len(prompts), "configs": {}}
+    report: dict[str, Any] = {
+        "batch_size": args.batch_size,
+        "num_prompts": len(prompts),
+        "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "fixed_k": args.fixed_k,
+        "configs": {},
+    }
+    print("load average (1 min) before, after:", report["load_average_1m_before_after"])
     base = rounds["none"]
     for name, results in rounds.items():
         ratios = [
@@ -167,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         speculator = engines[name].engine.speculator
         if speculator is not None:
+            seconds, calls = propose_time[name]
+            entry["propose_ms_per_call"] = round(1000 * seconds / max(1, calls), 2)
             entry["acceptance_rate"] = round(speculator.stats.acceptance_rate, 3)
             entry["mean_accepted_length"] = round(speculator.stats.mean_accepted_length, 3)
         report["configs"][name] = entry

@@ -127,11 +127,14 @@ async def test_stats_come_from_the_core_and_count_generated_tokens(engine):
 
 def test_core_environment_bounds_allocator_and_onednn_state(monkeypatch) -> None:
     from hearth.engine.async_engine import _core_environment
+    from hearth.ops.row_buckets import bucket_rows
 
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")  # the user's own setting wins
     env = _core_environment()
     assert env["MALLOC_ARENA_MAX"] == "2"
-    assert int(env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) <= 64
+    # Room for every row bucket times a model's handful of weight shapes: a smaller cache thrashes (issue 19).
+    buckets = {bucket_rows(rows) for rows in range(1, 2049)}
+    assert int(env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) >= 8 * len(buckets)
     assert env["MALLOC_MMAP_THRESHOLD_"] == "4096"

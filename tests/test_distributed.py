@@ -37,18 +37,22 @@ def _env() -> dict[str, str]:
     return env
 
 
-def one_rank_tokens(model_dir: Path) -> list[list[int]]:
+def one_rank_tokens(model_dir: Path, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     llm = LLM(str(model_dir), kv_cache_memory_gib=0.02)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    return [r.token_ids for r in llm.generate(PROMPTS, params)]
+    return [r.token_ids for r in llm.generate(prompts, params)]
 
 
 def run_layouts(
-    model_dir: Path, layouts: list[dict], timeout_s: float = 600, kv_tags: list[str] | None = None
+    model_dir: Path,
+    layouts: list[dict],
+    timeout_s: float = 600,
+    kv_tags: list[str] | None = None,
+    prompts: list[list[int]] = PROMPTS,
 ) -> list[list[list[int]]]:
     """Greedy tokens under each layout, from a process of their own; `kv_tags` collects the KV layout tags."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model_dir), json.dumps(layouts)],
+        [sys.executable, str(SCRIPT), str(model_dir), json.dumps(layouts), "--prompts", json.dumps(prompts)],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -182,6 +186,23 @@ def test_tensor_and_pipeline_parallel_give_the_tokens_of_one_rank(tiny_model_fac
     assert pp == expected
     # Each layout's pages have keys of their own (one KV head per TP rank; two layers per stage).
     assert tags == ["mha/float32/p16/h1x16/l4/tp2pp1ep1", "mha/float32/p16/h2x16/l2/tp1pp2ep1"]
+
+
+def test_pipeline_micro_batches_give_the_tokens_of_one_rank(tiny_model_factory):
+    # 9 requests of unequal lengths: prefill steps and decode steps cut in 3 micro-batches, and in 1.
+    model_dir = tiny_model_factory("llama", num_hidden_layers=4)
+    prompts = [[(11 * i + 3 * j) % 500 + 1 for j in range(4 + 5 * i)] for i in range(9)]
+    expected = one_rank_tokens(model_dir, prompts)
+    three, one = run_layouts(
+        model_dir,
+        [
+            {"pipeline_parallel_size": 2, "pipeline_micro_batches": 3},
+            {"pipeline_parallel_size": 2, "pipeline_micro_batches": 1},
+        ],
+        prompts=prompts,
+    )
+    assert three == expected, (three, expected)
+    assert one == expected, (one, expected)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 from hf_oracle import _load
@@ -45,6 +46,17 @@ def test_text_logprobs_match_transformers(tiny_llama):
     torch.testing.assert_close(got, torch.log_softmax(logits, -1), rtol=1e-4, atol=1e-4)
 
 
+def test_chunked_scoring_equals_one_prefill(tiny_llama):
+    """Chunks of 16 (the INT4 kernel's row counts) attend to the KV earlier chunks wrote: the same logprobs
+    as one prefill, for lengths that end mid-chunk and on a chunk boundary plus one token."""
+    llm = LLM(str(tiny_llama), dtype="float32", enable_prefix_caching=False, kv_cache_memory_gib=0.02)
+    for ids in (list(range(5, 45)), list(range(7, 40))):  # 40 and 33 tokens
+        whole = text_logprobs(llm, ids)
+        chunked = text_logprobs(llm, ids, chunk_tokens=16)
+        assert chunked.shape == whole.shape
+        torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+
+
 def test_scores_against_itself_and_against_fp8_kv(tiny_llama):
     ref = LLM(
         str(tiny_llama), enable_prefix_caching=False, kv_cache_memory_gib=0.02, kv_cache_dtype="float32"
@@ -83,6 +95,8 @@ def test_eval_command_writes_json_and_markdown(tiny_llama, tmp_path):
             "ref:kv_cache_dtype=bfloat16",
             "--config",
             "fp8:kv_cache_dtype=fp8_e4m3",
+            "--config",
+            "int4:quantization=int4,int4_activations=float,score_chunk=16",
             "--max-new-tokens",
             "8",
             "--kv-cache-memory",
@@ -95,7 +109,9 @@ def test_eval_command_writes_json_and_markdown(tiny_llama, tmp_path):
     )
     assert code == 0
     results = json.loads(out.read_text())
-    assert set(results["configs"]) == {"ref", "fp8"}
+    assert set(results["configs"]) == {"ref", "fp8", "int4"}
+    assert results["configs"]["int4"]["options"]["score_chunk"] == 16
+    assert "HEARTH_INT4_ACTIVATIONS" not in os.environ  # set only while that configuration was built
     fp8 = results["configs"]["fp8"]
     assert fp8["kv_tokens_ratio"] == 2.0 or abs(fp8["kv_tokens_ratio"] - 2.0) < 0.01
     assert 0 <= fp8["greedy_agreement"] <= 1 and fp8["tool_calls"]["num_prompts"] == 1

@@ -17,7 +17,15 @@ from hearth.engine.llm import LLM
 from hearth.model.quantization.awq import AWQ_ORDER
 from hearth.model.quantization.int4 import pack_int32, unpack_int32
 from hearth.ops import cpu_kernels
-from hearth.ops.int4 import INT4_MAX_ROWS, dequantize_int4, int4_linear, make_int4_weights, quantize_rtn
+from hearth.ops.int4 import (
+    INT4_MAX_ROWS,
+    dequantize_int4,
+    int4_linear,
+    make_int4_weights,
+    pack_int4,
+    quantize_rtn,
+    unpack_int4,
+)
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -38,22 +46,60 @@ def dense_reference(q, scales, zeros, group, g_idx):
     return (q.double() - zeros.double()[:, groups]) * scales.double()[:, groups]
 
 
+def fake_quantized_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The W4A8 kernel's activations: int8 per (row, group of `group` features), scale = |max| / 127,
+    rounded half to even; float64."""
+    grouped = x.double().view(x.shape[0], -1, group)
+    scale = grouped.abs().amax(dim=-1, keepdim=True) / 127
+    return (torch.round(grouped / scale).clamp(-127, 127) * scale).view(x.shape)
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_int4_linear_matches_float64_over_dequantized_weights(group, act_order):
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_int4_linear_matches_float64_over_dequantized_weights(group, act_order, activations, monkeypatch):
+    """W4A16: x @ dequantized w. W4A8: the same with x rounded as the kernel rounds it, per group in the
+    packed (act-order sorted) column order; and well away from the float result, so the float path would fail
+    the int8 reference and vice versa."""
+    monkeypatch.setenv("HEARTH_INT4_ACTIVATIONS", activations)
     cpu_kernels.paged_decode_attention_kernel(wait=True)
     assert cpu_kernels.int4_skinny_linear_kernel() is not None, "the INT4 kernel did not build"
-    out, k = 96, 256
+    out, k = 94, 384  # 94 outputs: tiles of 4 and 2 output rows leave a tail; 384: three groups of 128
     q, scales, zeros, g_idx = random_int4(out, k, group, act_order)
     weights = make_int4_weights(q, scales, zeros, group, g_idx)
+    assert weights.int8_activations == (activations == "int8")
     expected_w = dense_reference(q, scales, zeros, group, g_idx)
     torch.testing.assert_close(dequantize_int4(weights).double(), expected_w, rtol=1e-6, atol=1e-6)
     bias = torch.randn(out)
-    for rows in (1, 2, 3, 4, 5, 8, 13, INT4_MAX_ROWS, INT4_MAX_ROWS + 3):  # the last one dequantizes
+    for rows in (1, 2, 3, 4, 5, 8, 9, 13, INT4_MAX_ROWS):
         x = torch.randn(rows, k)
-        got = int4_linear(x, weights, bias)
-        expected = x.double() @ expected_w.t() + bias.double()
-        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+        got = int4_linear(x, weights, bias).double()
+        exact = x.double() @ expected_w.t() + bias.double()
+        if activations == "float":
+            torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
+            continue
+        perm = weights.perm if weights.perm is not None else torch.arange(k)
+        xq = torch.empty(rows, k, dtype=torch.float64)
+        xq[:, perm] = fake_quantized_activations(x[:, perm], group)
+        torch.testing.assert_close(got, xq @ expected_w.t() + bias.double(), rtol=1e-4, atol=1e-4)
+        assert (got - exact).abs().max() > 1e-3  # the activations really were rounded
+    x = torch.randn(INT4_MAX_ROWS + 3, k)  # more rows than the kernel takes: dequantized, exact
+    torch.testing.assert_close(
+        int4_linear(x, weights, bias).double(),
+        x.double() @ expected_w.t() + bias.double(),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+def test_int4_packing_round_trips_in_the_kernels_nibble_order():
+    q = torch.randint(0, 16, (3, 128), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (3, 64)
+    # Byte b of a 64-weight block: weight b in the low nibble, weight b + 32 in the high one.
+    assert int(packed[1, 5]) == int(q[1, 5]) | (int(q[1, 37]) << 4)
+    assert int(packed[2, 32 + 3]) == int(q[2, 64 + 3]) | (int(q[2, 64 + 35]) << 4)
+    assert torch.equal(unpack_int4(packed), q)
 
 
 def test_int32_packing_round_trips_and_matches_the_bit_layout():
@@ -200,8 +246,11 @@ CASES = [
 
 @pytest.mark.parametrize("fmt,group,sym,act_order", CASES)
 def test_int4_checkpoint_gives_transformers_greedy_tokens_on_dequantized_weights(
-    tiny_model_factory, tmp_path, fmt, group, sym, act_order
+    tiny_model_factory, tmp_path, monkeypatch, fmt, group, sym, act_order
 ):
+    # The format's weights exactly: the kernel's activations stay float (W4A8 is tested above and by `hearth
+    # eval`; rounded activations may flip a near-tie token of a random model).
+    monkeypatch.setenv("HEARTH_INT4_ACTIVATIONS", "float")
     cpu_kernels.paged_decode_attention_kernel(wait=True)
     src = tiny_model_factory("llama", hidden_size=128, intermediate_size=256)
     quantized = tmp_path / fmt

@@ -168,7 +168,7 @@ def test_options_are_checked_where_the_user_sets_them(tmp_path):
         EngineConfig(model="m", speculative_method="draft")
     with pytest.raises(ValueError, match="no config.json"):
         EngineConfig(model="m", speculative_method="draft", speculative_model=str(tmp_path))
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="no config.json"):
         EngineConfig(model="m", speculative_method="eagle3", speculative_model=str(tmp_path))
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(model="m", speculative_method="ngram", num_speculative_tokens=0)

@@ -29,11 +29,12 @@ from typing import Any
 
 import msgspec
 import torch
-import torch.distributed as dist
 
-from hearth.distributed.channel import broadcast_bytes, recv_bytes
-from hearth.distributed.groups import control_group, init_rank
+from hearth.distributed.channel import broadcast_bytes
+from hearth.distributed.groups import init_rank
 from hearth.distributed.groups import shutdown as leave_group
+from hearth.distributed.state import PIPELINE_TIME_S
+from hearth.distributed.step_channel import CoreChannel, channel_kind, core_channel
 from hearth.distributed.topology import ParallelConfig
 from hearth.engine.config import EngineConfig
 from hearth.engine.step_input import StepInput
@@ -55,6 +56,9 @@ class WorkerSpec(msgspec.Struct):
     max_model_len: int
     sample_vocab_size: int
     eos_token_ids: list[int]
+    # How steps reach the ranks (hearth.distributed.step_channel): "zmq" with rank 0's two endpoints, or "gloo".
+    step_channel: str = "gloo"
+    step_endpoints: tuple[str, str] = ("", "")
 
 
 def free_port() -> int:
@@ -149,9 +153,14 @@ class DistributedExecutor:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(StepOutput)
         try:
-            broadcast_bytes(self._encoder.encode(spec))
+            kind = channel_kind()
+            self.channel: CoreChannel = core_channel(
+                kind, parallel.master_addr, parallel.world_size, local_only=parallel.nnodes == 1
+            )
+            spec = msgspec.structs.replace(spec, step_channel=kind, step_endpoints=self.channel.endpoints)
+            broadcast_bytes(self._encoder.encode(spec))  # the one message that goes over gloo
             self.worker = build_worker(spec, parallel, 0)
-            dist.barrier(group=control_group())  # every rank has its shard
+            self.channel.sync()  # every rank has its shard and receives steps
         except Exception as exc:
             self._fatal(f"the ranks could not start: {exc}")
         atexit.register(self.shutdown)
@@ -175,10 +184,16 @@ class DistributedExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         try:
-            broadcast_bytes(self._encoder.encode(step))
+            start = time.perf_counter()
+            self.channel.publish(self._encoder.encode(step))
+            published = time.perf_counter()
             output = self.worker.execute(step)
             if self._sampling_rank != 0:
-                output = self._decoder.decode(recv_bytes(self._sampling_rank))
+                executed = time.perf_counter()
+                output = self._decoder.decode(self.channel.receive_output(self._sampling_rank))
+                PIPELINE_TIME_S["output_wait_s"] += time.perf_counter() - executed
+            PIPELINE_TIME_S["step_publish_s"] += published - start
+            PIPELINE_TIME_S["step_s"] += time.perf_counter() - start
             return output
         except Exception as exc:
             self._fatal(f"a step failed across the ranks: {exc}")
@@ -201,10 +216,11 @@ class DistributedExecutor:
             return
         self._stopping = True
         try:
-            broadcast_bytes(None, stop=True)
+            self.channel.stop()
         except Exception:  # a rank already gone: stop the rest below
             pass
         stop_processes(self._children, STOP_WAIT_S)
+        self.channel.close()
         leave_group()
 
     def _watch(self) -> None:

@@ -2,7 +2,8 @@
 (as torchrun's), the tensor-parallel groups (the expert-parallel group is the same ranks), and a CPU
 control group the engine core uses to send each step to every rank.
 
-Two timeouts, on purpose: collectives inside a step (all-reduce, pipeline sends) fail after
+Three timeouts, on purpose: the rendezvous waits `RENDEZVOUS_TIMEOUT_S` (10 min, a loaded host starts
+processes slowly) for every rank to join; collectives inside a step (all-reduce, pipeline sends) fail after
 `COLLECTIVE_TIMEOUT_S` (a rank that stops answering must not hang the others), but a rank waiting for
 the next step may wait as long as the server is idle, so the control group's timeout is a day; a rank
 that dies is noticed at once anyway (gloo reports "connection closed by peer").
@@ -24,6 +25,7 @@ logger = logging.getLogger("hearth.distributed")
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("HEARTH_COLLECTIVE_TIMEOUT_S", "120"))
 CONTROL_TIMEOUT_S = 24 * 3600.0
+RENDEZVOUS_TIMEOUT_S = float(os.environ.get("HEARTH_RENDEZVOUS_TIMEOUT_S", "600"))
 
 _CONTROL_GROUP: object | None = None
 
@@ -34,9 +36,19 @@ def init_rank(config: ParallelConfig, rank: int, device: torch.device) -> Parall
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+    # The rendezvous waits longer than a collective: on a loaded host a rank's process can take minutes to
+    # import torch and get here (seen: 1 of 4 ranks joined after 120 s at load average 21).
+    store = dist.TCPStore(
+        config.master_addr,
+        config.master_port,
+        config.world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+        wait_for_workers=True,
+    )
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{config.master_addr}:{config.master_port}",
+        store=store,
         world_size=config.world_size,
         rank=rank,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),

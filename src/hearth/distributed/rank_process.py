@@ -17,12 +17,13 @@ import threading
 import time
 
 import msgspec
-import torch.distributed as dist
 
-from hearth.distributed.channel import broadcast_bytes, send_bytes
+from hearth.distributed.channel import broadcast_bytes
 from hearth.distributed.executor import WorkerSpec, build_worker
-from hearth.distributed.groups import control_group, init_rank
+from hearth.distributed.groups import init_rank
 from hearth.distributed.groups import shutdown as leave_group
+from hearth.distributed.state import PIPELINE_TIME_S
+from hearth.distributed.step_channel import rank_channel
 from hearth.distributed.topology import ParallelConfig
 from hearth.engine.step_input import StepInput
 from hearth.engine.worker import resolve_device
@@ -42,16 +43,23 @@ def serve(rank: int) -> None:
     """Steps until rank 0 says stop; the sampling rank sends its outputs to rank 0."""
     spec = msgspec.msgpack.decode(broadcast_bytes(None) or b"", type=WorkerSpec)
     parallel_config = ParallelConfig.from_engine_config(spec.config)
+    sends_output = parallel_config.state_of(rank).is_sampling_rank and rank != 0
+    channel = rank_channel(spec.step_channel, spec.step_endpoints, sends_output)
     worker = build_worker(spec, parallel_config, rank)
-    dist.barrier(group=control_group())
+    channel.sync()  # with rank 0: every rank has its shard and receives steps
     decoder = msgspec.msgpack.Decoder(StepInput)
     encoder = msgspec.msgpack.Encoder()
-    sends_output = worker.is_sampling_rank and rank != 0
-    while (data := broadcast_bytes(None)) is not None:
+    while True:
+        start = time.perf_counter()
+        data = channel.receive()
+        PIPELINE_TIME_S["step_wait_s"] += time.perf_counter() - start  # idle, and the step's transport
+        if data is None:
+            break
         output = worker.execute(decoder.decode(data))
         if sends_output:
-            send_bytes(encoder.encode(output), 0)
+            channel.send_output(encoder.encode(output))
     log_rank_report(rank, worker)
+    channel.close()
 
 
 def log_rank_report(rank: int, worker: object) -> None:
@@ -67,6 +75,7 @@ def log_rank_report(rank: int, worker: object) -> None:
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "comm_bytes": dict(COMM_BYTES),
+        "pipeline_time_s": dict(PIPELINE_TIME_S),
     }
     logger.info("rank report %s", json.dumps(report))
 

@@ -11,13 +11,19 @@ Contract:
 - `all_reduce_ep(x)` sums over the expert-parallel group (identity with one EP rank).
 - `all_gather_tp(x, dim)` concatenates every TP rank's `x` along `dim` (identity with one TP rank).
 - `send_to_next_stage(x)` / `recv_from_previous_stage(shape, dtype, device)` move the activations
-  between pipeline stages (same TP rank, next / previous stage).
+  between pipeline stages (same TP rank, next / previous stage). The send is asynchronous (a stage goes
+  on with its next micro-batch); `wait_for_sends()` waits for every send still in flight. Sends and
+  receives between a pair of ranks are matched in order.
 - `COMM_BYTES` counts the payload bytes this rank sent through each kind of collective (benchmarks
   read it to compare TP and PP traffic per token).
+- `PIPELINE_TIME_S` adds up, per rank, the seconds a pipeline stage spent blocked receiving its input
+  (`recv_wait_s`: the stage idles) and waiting for its sends (`send_wait_s`), and in the forward in all
+  (`forward_s`, from `hearth.distributed.microbatch`).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -62,6 +68,8 @@ _EP_GROUP: object | None = None
 # Payload bytes this rank put on the wire, per kind: "tp_all_reduce", "tp_all_gather", "ep_all_reduce",
 # "pp_send", "step_broadcast", "step_output".
 COMM_BYTES: Counter[str] = Counter()
+PIPELINE_TIME_S: Counter[str] = Counter()
+_PENDING_SENDS: list[tuple[object, torch.Tensor]] = []  # (work, the buffer it reads) until waited for
 
 
 def parallel_state() -> ParallelState:
@@ -109,7 +117,17 @@ def all_gather_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def send_to_next_stage(x: torch.Tensor) -> None:
     state = _STATE
     COMM_BYTES["pp_send"] += x.numel() * x.element_size()
-    torch.distributed.send(x.contiguous(), state.global_rank(state.pp_rank + 1, state.tp_rank))
+    x = x.contiguous()
+    work = torch.distributed.isend(x, state.global_rank(state.pp_rank + 1, state.tp_rank))
+    _PENDING_SENDS.append((work, x))
+
+
+def wait_for_sends() -> None:
+    start = time.perf_counter()
+    while _PENDING_SENDS:
+        work, _ = _PENDING_SENDS.pop(0)
+        work.wait()  # type: ignore[attr-defined]
+    PIPELINE_TIME_S["send_wait_s"] += time.perf_counter() - start
 
 
 def recv_from_previous_stage(
@@ -117,5 +135,7 @@ def recv_from_previous_stage(
 ) -> torch.Tensor:
     state = _STATE
     x = torch.empty(shape, dtype=dtype, device=device)
+    start = time.perf_counter()
     torch.distributed.recv(x, state.global_rank(state.pp_rank - 1, state.tp_rank))
+    PIPELINE_TIME_S["recv_wait_s"] += time.perf_counter() - start
     return x

@@ -70,6 +70,10 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_size_gib: float = 16.0
     kv_store: str | None = None
+    # Pipeline parallelism (hearth.distributed.microbatch, hearth.distributed.pipeline): micro-batches per
+    # step (0: auto, 2 x stages; 1: none), and the layers per stage (None: balanced by the cost model).
+    pipeline_micro_batches: int = 0
+    pipeline_stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -117,6 +121,16 @@ class EngineConfig:
             raise ValueError("kv_transfer_timeout_s must be > 0")
         if self.kv_offload_memory_gib < 0 or self.kv_disk_size_gib <= 0:
             raise ValueError("kv_offload_memory_gib must be >= 0 and kv_disk_size_gib > 0")
+        if self.pipeline_micro_batches < 0:
+            raise ValueError("pipeline_micro_batches must be >= 0 (0: auto)")
+        if self.pipeline_stage_layers is not None:
+            layers = tuple(self.pipeline_stage_layers)
+            if len(layers) != self.pipeline_parallel_size or min(layers) < 1:
+                raise ValueError(
+                    f"pipeline_stage_layers needs one layer count >= 1 per stage "
+                    f"({self.pipeline_parallel_size}), got {list(layers)}"
+                )
+            object.__setattr__(self, "pipeline_stage_layers", layers)
 
     @property
     def kv_tiers_enabled(self) -> bool:
@@ -271,6 +285,18 @@ class EngineConfig:
             "--kv-store",
             default=None,
             help="cluster-shared KV store: redis://host:port[/db] or mooncake://master:port?metadata=URL",
+        )
+        group.add_argument(
+            "--pipeline-micro-batches",
+            type=int,
+            default=0,
+            help="micro-batches a step is cut into so pipeline stages overlap (0: 2 x stages; 1: none)",
+        )
+        group.add_argument(
+            "--pipeline-stage-layers",
+            type=lambda text: tuple(int(n) for n in text.split(",")),
+            default=None,
+            help="layers per pipeline stage, e.g. 30,31 (default: balanced by a cost model measured at start)",
         )
 
     @classmethod

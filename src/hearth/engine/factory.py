@@ -31,6 +31,25 @@ logger = logging.getLogger("hearth.engine")
 GIB = 1 << 30
 
 
+def plan_pipeline(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> EngineConfig:
+    """The config with its pipeline stages' layers balanced by measured cost (`hearth.distributed.pipeline`),
+    for a full decode batch cut in micro-batches."""
+    from hearth.distributed.microbatch import resolve_micro_batches
+    from hearth.distributed.pipeline import plan_stages
+    from hearth.engine.worker import resolve_device
+
+    pp = config.pipeline_parallel_size
+    micro_batches = resolve_micro_batches(config.pipeline_micro_batches, pp)
+    tokens = max(1, min(config.max_num_seqs, config.max_num_batched_tokens) // micro_batches)
+    device = resolve_device(config.device)
+    if device.type == "cpu":  # measured with the threads a rank will have (its worker sets them again)
+        from hearth.distributed.executor import rank_threads
+
+        torch.set_num_threads(rank_threads(config, ParallelConfig.from_engine_config(config)))
+    layers, _ = plan_stages(model_config, pp, dtype, device, tokens)
+    return dataclasses.replace(config, pipeline_stage_layers=layers)
+
+
 def build_engine(config: EngineConfig) -> Engine:
     started = time.perf_counter()
     if config.node_rank != 0:
@@ -46,6 +65,8 @@ def build_engine(config: EngineConfig) -> Engine:
     model_config = ModelConfig.from_dir(config.model)
     tokenizer = Tokenizer.from_dir(config.model)
     dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype)
+    if config.pipeline_parallel_size > 1 and config.pipeline_stage_layers is None:
+        config = plan_pipeline(config, model_config, dtype)  # decided once here; every rank gets it
     layout = kv_layout_for(config, model_config, dtype)
     num_pages = KVPool.num_pages_for_budget(layout, int(config.kv_cache_memory_gib * GIB))
     if num_pages < 2:

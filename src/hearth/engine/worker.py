@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 import torch
 
+from hearth.distributed.microbatch import forward_micro_batches, resolve_micro_batches
 from hearth.distributed.pipeline import stage_layers
 from hearth.distributed.state import parallel_state
 from hearth.distributed.topology import rank_kv_heads
@@ -71,7 +72,8 @@ def kv_layout_for(config: EngineConfig, model_config: ModelConfig, dtype: torch.
     mla = model_config.mla
     num_layers = model_config.num_layers
     if config.pipeline_parallel_size > 1:
-        num_layers = max(len(s) for s in stage_layers(model_config, config.pipeline_parallel_size))
+        stages = stage_layers(model_config, config.pipeline_parallel_size, config.pipeline_stage_layers)
+        num_layers = max(len(s) for s in stages)
     return KVLayout(
         num_layers=num_layers,
         num_kv_heads=1
@@ -106,8 +108,10 @@ class Worker:
             torch.set_num_threads(config.resolved_num_threads)
         # This rank's place (one process alone: rank 0 of 1, every layer, the sampling rank).
         parallel = parallel_state()
-        stage = stage_layers(model_config, parallel.pp_size)[parallel.pp_rank]
+        stage = stage_layers(model_config, parallel.pp_size, config.pipeline_stage_layers)[parallel.pp_rank]
         self.is_sampling_rank = parallel.is_sampling_rank
+        # Pipeline stages overlap on micro-batches of each step (hearth.distributed.microbatch).
+        self.micro_batches = resolve_micro_batches(config.pipeline_micro_batches, parallel.pp_size)
         quantization, quant_config = resolve_quantization(config.quantization, config.model)
         self.model = load_model(
             config.model,
@@ -125,10 +129,16 @@ class Worker:
         layout = dataclasses.replace(layout, num_layers=len(stage))
         self.kv_pool = KVPool(layout, num_pages, self.device)
         if self.kv_pool.quantized:
-            if parallel.pp_size > 1 or parallel.tp_size > 1:
-                # Calibration runs the whole model in one process, and checkpoint scales index global layers/heads.
-                raise ValueError("--kv-cache-dtype fp8_e4m3 with tensor or pipeline parallelism is not supported yet")
-            source = init_fp8_kv_scales(self.kv_pool, self.model, config.model, max_model_len)
+            # Sharded: the pool holds this stage's layers and this rank's KV heads, and so do its scales.
+            sharded = parallel.pp_size > 1 or parallel.tp_size > 1
+            source = init_fp8_kv_scales(
+                self.kv_pool,
+                self.model,
+                config.model,
+                max_model_len,
+                stage=stage if sharded else None,
+                model_shape=(model_config.num_layers, model_config.num_kv_heads) if sharded else None,
+            )
             logger.info("FP8 KV cache: per (layer, KV head) scales from %s", source)
         self.page_tag_check = make_page_tag_check(config.kv_integrity)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
@@ -145,6 +155,8 @@ class Worker:
         )
         self.sampler = Sampler(sample_vocab_size, set(eos_token_ids))
         self._generators: dict[str, torch.Generator] = {}
+        # Called with each step after the model's forward (an EAGLE-3 proposer takes the step's aux hidden states).
+        self.after_forward: Callable[[StepInput], None] | None = None
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             # Compiled CPU kernels, loaded (or built, the first time) in the background so they never delay
@@ -202,6 +214,11 @@ class Worker:
     def forward(self, step: StepInput) -> torch.Tensor | None:
         """float32 logits `[len(step.logits_indices), vocab]` (the KV of the step's tokens is written);
         None on a pipeline stage other than the last."""
+        if parallel_state().pp_size > 1:
+            return forward_micro_batches(self._forward_one, step, self.micro_batches)
+        return self._forward_one(step)
+
+    def _forward_one(self, step: StepInput) -> torch.Tensor | None:
         num_tokens = len(step.token_ids)
         ids = torch.tensor(step.token_ids + step.positions + step.logits_indices, dtype=torch.long)
         if self.device.type == "cuda":  # pinned, so the copy is asynchronous
@@ -210,7 +227,10 @@ class Worker:
             ids = ids.to(self.device)
         metadata = self.attention.prepare(step)
         ctx = AttentionContext(self.attention, metadata, self.kv_pool)
-        return self.model(ids[:num_tokens], ids[num_tokens : 2 * num_tokens], ctx, ids[2 * num_tokens :])
+        logits = self.model(ids[:num_tokens], ids[num_tokens : 2 * num_tokens], ctx, ids[2 * num_tokens :])
+        if self.after_forward is not None:
+            self.after_forward(step)
+        return logits
 
     def _sample(self, logits: torch.Tensor, sampling: list[StepSamplingRow]) -> StepOutput:
         """Greedy rows and rows without drafts go through the sampler in one batch (a greedy row keeps the run

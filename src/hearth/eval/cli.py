@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         action="append",
         default=None,
-        help="NAME:option=value,... (LLM options, e.g. kv_cache_dtype=fp8_e4m3,quantization=int4); first is "
+        help="NAME:option=value,... (LLM options, e.g. kv_cache_dtype=fp8_e4m3,quantization=int4; also "
+        "model=PATH for another checkpoint of the model, int4_activations=float|int8, score_chunk=N); first is "
         f"the reference (default: {' '.join(DEFAULT_CONFIGS)})",
     )
     parser.add_argument("--max-text-tokens", type=int, default=512, help="tokens scored per text")
@@ -80,23 +82,41 @@ def tool_validity(llm: Any, prompts: list[dict[str, Any]], max_new_tokens: int) 
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def build_llm(args: argparse.Namespace, options: dict[str, Any]) -> Any:
+    """One configuration's engine. Three options are not engine settings: `model=PATH`, another checkpoint
+    of the same model (an FP8 or GPTQ conversion; same tokenizer); `int4_activations=float|int8`, the INT4
+    kernel's activation precision (`HEARTH_INT4_ACTIVATIONS`, read while the weights are built); and
+    `score_chunk=N`, texts scored in prefill chunks of N tokens (<= 16: through the INT4 decode kernel)."""
     from hearth.engine.llm import LLM
+
+    options = dict(options)
+    options.pop("score_chunk", None)
+    model = options.pop("model", args.model)
+    activations = options.pop("int4_activations", None)
+    previous = os.environ.get("HEARTH_INT4_ACTIVATIONS")
+    if activations is not None:
+        os.environ["HEARTH_INT4_ACTIVATIONS"] = str(activations)
+    try:
+        return LLM(model, enable_prefix_caching=False, kv_cache_memory_gib=args.kv_cache_memory, **options)
+    finally:
+        if previous is None:
+            os.environ.pop("HEARTH_INT4_ACTIVATIONS", None)
+        else:
+            os.environ["HEARTH_INT4_ACTIVATIONS"] = previous
+
+
+def run(args: argparse.Namespace) -> int:
     from hearth.eval.scoring import score_texts
 
     started = time.monotonic()
     eval_set = json.loads(Path(args.eval_set).read_text())
     configs = [parse_config(spec) for spec in (args.config or DEFAULT_CONFIGS)]
-    llms = {
-        name: LLM(
-            args.model, enable_prefix_caching=False, kv_cache_memory_gib=args.kv_cache_memory, **options
-        )
-        for name, options in configs
-    }
+    llms = {name: build_llm(args, options) for name, options in configs}
+    chunks = {name: options.get("score_chunk") for name, options in configs}
     reference = configs[0][0]
     tokenizer = llms[reference].tokenizer
     texts = [tokenizer.encode(t, add_special_tokens=False)[: args.max_text_tokens] for t in eval_set["texts"]]
-    scores = score_texts(llms, reference, texts)
+    scores = score_texts(llms, reference, texts, chunks)
     results: dict[str, Any] = {"model": args.model, "reference": reference, "configs": {}}
     tool_prompts = eval_set.get("tool_prompts", [])
     ref_answers = None

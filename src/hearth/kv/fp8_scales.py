@@ -10,12 +10,14 @@ Never a silent 1.0: with unit scales every |x| past 448 saturates and small valu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from pathlib import Path
 
 import torch
 
+from hearth.distributed.state import parallel_state
 from hearth.kv.fp8 import scales_from_amax
 from hearth.kv.pool import KVLayout, KVPool
 
@@ -112,11 +114,46 @@ def calibration_token_ids(model_dir: str | Path, max_tokens: int) -> list[int]:
     return ids[:max_tokens]
 
 
-def init_fp8_kv_scales(pool: KVPool, model: torch.nn.Module, model_dir: str | Path, max_tokens: int) -> str:
-    """Give an FP8 pool its scales (checkpoint's, else calibrated); returns where they came from, for the log."""
+def rank_kv_scales(scales: torch.Tensor, layers: range, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's `[stage layers, local KV heads]` slice of the checkpoint's global `[layers, kv_heads]`
+    scales: the heads its qkv projection holds (`QKVParallelLinear`: a contiguous share of the heads, or,
+    with more ranks than KV heads, the one head it replicates)."""
+    num_kv_heads = scales.shape[1]
+    if num_kv_heads >= tp_size:
+        local = num_kv_heads // tp_size
+        start = tp_rank * local
+    else:
+        local, start = 1, tp_rank // (tp_size // num_kv_heads)
+    return scales[layers.start : layers.stop, start : start + local].contiguous()
+
+
+def init_fp8_kv_scales(
+    pool: KVPool,
+    model: torch.nn.Module,
+    model_dir: str | Path,
+    max_tokens: int,
+    stage: range | None = None,
+    model_shape: tuple[int, int] | None = None,
+) -> str:
+    """Give an FP8 pool its scales (checkpoint's, else calibrated); returns where they came from, for the log.
+
+    Under tensor/pipeline parallelism (`stage`: this rank's global layers, `model_shape`: the model's (layers,
+    KV heads); both None on one rank) the pool holds the stage's layers and this rank's KV heads: checkpoint scales (global
+    layer and head indices) are sliced to those; calibration runs the sharded model itself, every rank at
+    once (its all-reduces and stage hand-offs are the ones of a prefill), so each rank measures its own."""
     found: dict[tuple[int, str], torch.Tensor] = getattr(model, "checkpoint_kv_scales", {})
-    from_checkpoint = scales_from_checkpoint(found, pool.layout)
+    layout = pool.layout
+    if stage is not None and model_shape is not None:
+        layout = dataclasses.replace(layout, num_layers=model_shape[0], num_kv_heads=model_shape[1])
+    from_checkpoint = scales_from_checkpoint(found, layout)
     if from_checkpoint is not None:
+        if layout is not pool.layout:
+            state = parallel_state()
+            assert stage is not None
+            from_checkpoint = (
+                rank_kv_scales(from_checkpoint[0], stage, state.tp_rank, state.tp_size),
+                rank_kv_scales(from_checkpoint[1], stage, state.tp_rank, state.tp_size),
+            )
         pool.set_scales(*from_checkpoint)
         return "checkpoint k_scale/v_scale"
     token_ids = calibration_token_ids(model_dir, max_tokens)

@@ -118,6 +118,10 @@ class CausalLM(nn.Module):
         self.lm_head_weights: LinearWeights | None = None
         self.quant_method = options.quant_method if options is not None else None
         self.lm_head_int4: Any = None  # `hearth.ops.int4.Int4Weights` when the method quantizes the head too
+        # EAGLE-3 (`hearth.model.eagle3`): the residual stream entering these layers (num_layers: leaving the
+        # last) is kept, concatenated in this order, in `aux_hidden` `[tokens, len * hidden]` after each forward.
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def checkpoint_target(self, name: str) -> tuple[str, ShardId | None] | None:
         """The parameter (and part of it, for a fused one) that checkpoint tensor `name` loads into;
@@ -186,8 +190,16 @@ class CausalLM(nn.Module):
         cos, sin = self.cos_sin[positions].to(hidden.dtype).chunk(2, dim=-1)
         kv_pool = ctx.kv_pool
         first = model.first_layer
+        aux_layers = self.aux_hidden_layers
+        captured: dict[int, torch.Tensor] = {}
         for index in range(first, model.end_layer):
+            if aux_layers and index in aux_layers:  # a copy: the fused norms update the stream in place
+                captured[index] = hidden.clone() if residual is None else hidden + residual
             hidden, residual = model.layers[index](hidden, residual, cos, sin, kv_pool.layer(index - first), ctx)
+        if aux_layers:
+            if model.end_layer in aux_layers:
+                captured[model.end_layer] = hidden if residual is None else hidden + residual
+            self.aux_hidden = torch.cat([captured[i] for i in aux_layers], dim=-1)
         if not model.is_last_stage:
             # One tensor, not two: the next layer's norm needs only the sum, the same add it would do.
             send_to_next_stage(hidden if residual is None else hidden + residual)

@@ -205,5 +205,6 @@ def rotary_write_kv_fp8_kernel() -> Callable[..., object] | None:
 
 
 def int4_skinny_linear_kernel() -> Callable[..., object] | None:
-    """`int4_skinny_linear(x, packed, scales, zero_scaled, group_size, bias=None)` once built; else None."""
+    """`int4_skinny_linear(x, packed, scales, zero_scaled, group_size, bias=None, int8_activations=False)` once
+    built; else None."""
     return _int4_skinny_linear

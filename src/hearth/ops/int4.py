@@ -5,14 +5,18 @@ group_size`. Act-order checkpoints (GPTQ `desc_act`, a `g_idx` per input column)
 input columns by group once at load: `perm` reorders the activations' features to match.
 
 - Up to `INT4_MAX_ROWS` rows (decode): the compiled `int4_skinny_linear` kernel reads the packed nibbles
-  (~3.5x fewer bytes than bf16).
+  (~3.5x fewer bytes than bf16). By default it rounds the activations to int8 per (row, group) and takes an
+  integer dot (W4A8, as llama.cpp's Q4 x Q8): in cache the float unpack, not the bytes, bounded the float
+  kernel. `HEARTH_INT4_ACTIVATIONS=float` keeps them float32 (exact weight-only, W4A16), e.g. to compare a
+  checkpoint with another implementation token for token.
 - More rows (prefill) or no kernel: the weight is dequantized to float32 for the call and multiplied by
   oneDNN/MKL; the arithmetic dominates there, and nothing float-sized is kept between calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,14 @@ INT4_MAX_ROWS = 16
 BLOCK = 64  # weights per packed block (the kernel's unit)
 
 
+def int8_activations_default() -> bool:
+    """W4A8 unless `HEARTH_INT4_ACTIVATIONS=float` (read when a layer's weights are built)."""
+    value = os.environ.get("HEARTH_INT4_ACTIVATIONS", "int8")
+    if value not in ("int8", "float"):
+        raise ValueError(f"HEARTH_INT4_ACTIVATIONS={value!r}: expected 'int8' or 'float'")
+    return value == "int8"
+
+
 @dataclass
 class Int4Weights:
     packed: torch.Tensor  # uint8 [out, in / 2], `pack_int4`'s layout
@@ -31,6 +43,7 @@ class Int4Weights:
     group_size: int
     perm: torch.Tensor | None = None  # long [in]: activation features in packed column order (act-order)
     kernel_ok: bool = True  # the layout the kernel reads (else: dequantize per call)
+    int8_activations: bool = field(default_factory=int8_activations_default)  # W4A8 in the kernel
 
     @property
     def nbytes(self) -> int:
@@ -39,22 +52,19 @@ class Int4Weights:
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """`q` uint8 `[out, in]` (values 0..15, `in` a multiple of 64) -> uint8 `[out, in / 2]`: per block of 64
-    weights, 8 little-endian uint32 lanes whose nibble j in lane l is weight 8j + l (the kernel's layout)."""
+    weights, 32 bytes whose byte b holds weight b (low nibble) and weight b + 32 (high nibble): the kernel
+    unpacks 32 consecutive weights with one AND (and a shift), no byte shuffles."""
     out, k = q.shape
     if k % BLOCK:
         raise ValueError(f"pack_int4: {k} input features is not a multiple of {BLOCK}")
-    nibbles = q.to(torch.int64).view(out, k // BLOCK, 8, 8)  # [.., j, l]
-    shifts = (4 * torch.arange(8, dtype=torch.int64)).view(1, 1, 8, 1)
-    lanes = (nibbles << shifts).sum(dim=2)  # [out, blocks, 8 lanes]
-    lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)
-    return lanes.contiguous().view(torch.uint8).view(out, k // 2)
+    halves = q.view(out, k // BLOCK, 2, BLOCK // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).contiguous().view(out, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     out, half = packed.shape
-    lanes = packed.contiguous().view(torch.int32).view(out, half // 32, 1, 8)
-    shifts = (4 * torch.arange(8, dtype=torch.int32)).view(1, 1, 8, 1)
-    return ((lanes >> shifts) & 0x0F).to(torch.uint8).reshape(out, half * 2)
+    blocks = packed.contiguous().view(out, half // 32, 32)
+    return torch.stack((blocks & 0x0F, blocks >> 4), dim=2).reshape(out, half * 2)
 
 
 def make_int4_weights(
@@ -106,7 +116,13 @@ def int4_linear(x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None
         if kernel is not None:
             xs = x if weights.perm is None else x.index_select(1, weights.perm)
             return kernel(
-                xs.contiguous(), weights.packed, weights.scales, weights.zero_scaled, weights.group_size, bias
+                xs.contiguous(),
+                weights.packed,
+                weights.scales,
+                weights.zero_scaled,
+                weights.group_size,
+                bias,
+                weights.int8_activations,
             )
     return F.linear(x, dequantize_int4(weights).to(x.dtype), bias)
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth.ops.cpu_kernels import bf16_skinny_linear_kernel
+from hearth.ops.row_buckets import padded_linear_pointwise
 
 PACKED_MIN_ROWS = 2
 PACKED_MAX_ROWS = 256
@@ -83,6 +84,7 @@ def linear(x: torch.Tensor, weights: LinearWeights, bias: torch.Tensor | None) -
         out = x @ weights.transposed
         return out if bias is None else out + bias
     if weights.packed is not None and (weights.fp32 is None or PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS):
-        return torch.ops.mkldnn._linear_pointwise(x, weights.packed, bias, "none", [], "")
+        # Rows padded to a few bucket sizes: oneDNN keeps state per input shape (issue 19, `row_buckets`).
+        return padded_linear_pointwise(x, weights.packed, bias)
     assert weights.fp32 is not None
     return F.linear(x, weights.fp32, bias)

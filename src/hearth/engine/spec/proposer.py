@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -32,6 +33,9 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, batch: list[ProposalRequest]) -> list[list[int]]: ...
+
+    def target_step_done(self, batch: list[Any]) -> None:  # noqa: B027 (most proposers read nothing of it)
+        """The target ran a step over `batch` (`ScheduledRequest`s, outputs already applied to the requests)."""
 
     def request_finished(self, request_id: str) -> None:  # noqa: B027 (stateless proposers keep nothing)
         """Drop whatever is kept for the request."""

@@ -25,16 +25,12 @@ def register_proposer(
 
 def _load_builtin() -> None:
     # Imported here: each module registers itself; draft/eagle3 import torch and the model code.
-    from hearth.engine.spec import draft, ngram  # noqa: F401
+    from hearth.engine.spec import draft, eagle3, ngram  # noqa: F401
 
 
 def check_speculative_options(method: str, model: str | None, num_tokens: int) -> None:
     """Raises ValueError naming the option to fix (EngineConfig calls it; no model is loaded)."""
     _load_builtin()
-    if method == "eagle3":
-        raise ValueError(
-            "--speculative-method eagle3 is not built yet; use draft (with --speculative-model) or ngram"
-        )
     if method not in _BUILDERS:
         raise ValueError(f"speculative_method must be one of {', '.join(sorted(_BUILDERS))}, got {method!r}")
     if num_tokens < 1:

@@ -134,6 +134,7 @@ class Speculator:
 
     def step_finished(self, batch: list[ScheduledRequest], num_output_tokens: int) -> None:
         """The step that `propose` began is done: record its cost if it only decoded (prefill chunks would blur it)."""
+        self.proposer.target_step_done(batch)
         if self._step is None:
             return
         started, num_decode_rows, used_drafts = self._step

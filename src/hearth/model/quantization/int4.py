@@ -108,6 +108,14 @@ def load_g_idx(layer: Linear, param: nn.Parameter, loaded: torch.Tensor, shard_i
     layer._g_idx_loaded = True
 
 
+def rtn_group_size(input_features: int) -> int:
+    """128 input features per RTN group, 64 where 128 does not divide them; a ModelLoadError otherwise."""
+    group_size = next((g for g in (128, 64) if input_features % g == 0), None)
+    if group_size is None:
+        raise ModelLoadError(f"--quantization int4: {input_features} input features is not a multiple of 64")
+    return group_size
+
+
 @register_quantization_method("int4")
 class RTNInt4Method(Int4LinearMethod):
     """`--quantization int4`: the checkpoint's dense weights, rounded to nearest per group of 128 input
@@ -123,11 +131,7 @@ class RTNInt4Method(Int4LinearMethod):
 
     def unpack(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         weight = layer.weight.data
-        group_size = next((g for g in (128, 64) if weight.shape[1] % g == 0), None)
-        if group_size is None:
-            raise ModelLoadError(
-                f"--quantization int4: {weight.shape[1]} input features is not a multiple of 64"
-            )
+        group_size = rtn_group_size(weight.shape[1])
         q, scales, zeros = quantize_rtn(weight, group_size)
         layer.int4_group_size = group_size
         return q, scales, zeros, None
@@ -138,9 +142,13 @@ class RTNInt4Method(Int4LinearMethod):
         del layer.weight
 
     def quantize_lm_head(self, weight: torch.Tensor) -> Int4Weights | None:
-        """The LM head too (its dense weight stays: it may be the embedding); None where it does not fit."""
-        group_size = next((g for g in (128, 64) if weight.shape[1] % g == 0), None)
-        if group_size is None or weight.device.type != "cpu":
-            return None
-        q, scales, zeros = quantize_rtn(weight.detach(), group_size)
-        return make_int4_weights(q, scales, zeros, group_size)
+        return rtn_lm_head(weight)
+
+
+def rtn_lm_head(weight: torch.Tensor) -> Int4Weights | None:
+    """The LM head too (its dense weight stays: it may be the embedding); None where it does not fit."""
+    group_size = next((g for g in (128, 64) if weight.shape[1] % g == 0), None)
+    if group_size is None or weight.device.type != "cpu":
+        return None
+    q, scales, zeros = quantize_rtn(weight.detach(), group_size)
+    return make_int4_weights(q, scales, zeros, group_size)

@@ -3,8 +3,9 @@
 
 - `auto` (the default): the checkpoint's method (gptq, awq, compressed-tensors, fp8), else unquantized.
 - `none`: unquantized; refused for a quantized checkpoint (its tensors are not dense weights).
-- `int4`: round-to-nearest INT4 at load time, from a dense (BF16/FP32) checkpoint; for a checkpoint that
-  already is INT4 it is that checkpoint's method.
+- `int4`: round-to-nearest INT4 at load time, from a dense (BF16/FP32) checkpoint or an FP8 block-scaled
+  one (`fp8-int4`: dequantized per block first); for a checkpoint that already is INT4 it is that
+  checkpoint's method.
 - a method's own name: that method, configured by the checkpoint.
 """
 
@@ -48,6 +49,8 @@ def resolve_quantization(requested: str, model_dir: str | Path) -> tuple[str, di
         raise ModelLoadError(f"{model_dir}: quantization_config quant_method {shipped!r} is not supported")
     if requested in ("auto", shipped) or (requested == "int4" and shipped in _INT4_FORMATS):
         return shipped, config
+    if requested == "int4" and shipped == "fp8":
+        return "fp8-int4", config
     raise ModelLoadError(
         f"--quantization {requested}: {model_dir} is a {shipped} checkpoint (use --quantization auto)"
     )

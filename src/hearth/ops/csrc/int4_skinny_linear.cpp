@@ -2,20 +2,33 @@
 // and zero points, on CPU (AVX2; a scalar path elsewhere).
 //
 // Decode is bound by reading weights: 4 bits a weight (plus a scale and a zero per group) is ~3.5x fewer
-// bytes than bf16. Weights are unpacked to float32 in registers and multiplied with float32 activations
-// (weight-only quantization: the activations are not rounded). Per group g of output o:
+// bytes than bf16, but once the weights sit in cache the cost is the unpacking and the multiply. Per group
+// g of output o:
 //   sum_i x_i * (q_i - z) * s  =  s * sum_i x_i q_i  -  (z s) * sum_i x_i
 // so the inner loop is a plain dot with the unsigned nibbles, and the zero term uses the rows' group sums.
 //
-// Packed layout (`hearth.ops.int4.pack_int4`): per output row, blocks of 64 weights in 8 little-endian
-// uint32 lanes; nibble j of lane l is weight 8j + l. A shift and an AND per nibble give 8 consecutive weights
-// in the 8 lanes of a vector, with no byte shuffles (the shuffle port is what limits a nibble unpack).
-// Weights 0..31 of a block are nibbles 0..3, weights 32..63 nibbles 4..7: groups of 32 stay addressable.
+// Two inner loops:
+// - W4A8 (default, `int8_activations`): each activation row is rounded to int8 per (row, group), scale =
+//   the group's |max| / 127 (the weight's group, so one float multiply per group covers both scales). The
+//   dot is integer: vpmaddubsw (unsigned nibble x signed int8 -> int16 pairs, 2 x 15 x 127 cannot saturate)
+//   summed in int16, then vpmaddwd by ones -> int32 once per group, as llama.cpp's Q4 x Q8 dot on AVX2. 32
+//   weights cost ~2 unpack ops shared by the rows and 2 integer ops per row, against 4 FMAs per row (plus
+//   the widening) for the float loop.
+// - W4A16 (exact weight-only): the nibbles are widened to float32 and FMA'd with the float activations.
+//
+// Packed layout (`hearth.ops.int4.pack_int4`): per output row, blocks of 64 weights in 32 bytes; byte b holds
+// weight b in its low nibble and weight b + 32 in its high nibble. One AND gives weights 0..31 as bytes in
+// order, a 16-bit shift and an AND weights 32..63: no byte shuffles (the shuffle port is what limits a nibble
+// unpack). Groups of 32 are the low or the high half of a block.
+//
+// Register blocking: a tile of R output rows x M activation rows keeps R x M int32 accumulators (<= 8), so
+// each unpacked weight block serves M rows and each activation load serves R outputs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -27,9 +40,59 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // weights per packed block (32 bytes)
 constexpr int64_t kHalf = 32;   // the unit groups are made of
-constexpr int kMaxRows = 8;     // rows sharing each unpacked weight block (within 16 vector registers)
+constexpr int kMaxRows = 8;     // activation rows per pass over a weight tile (float loop)
+constexpr int kMaxRowsA8 = 4;   // W4A8: per row an int16 partial sum, an int32 sum and a float total stay in
+                                // registers up to 4 rows; 6-8 rows spilled them and ran 3-4x slower per row
+
+inline uint8_t nibble(const uint8_t* w, int64_t i) {
+  const uint8_t byte = w[(i / kBlock) * 32 + (i % kHalf)];
+  return (i % kBlock) < kHalf ? (byte & 0x0f) : (byte >> 4);
+}
+
+// Activations rounded to int8 per (row, group): q = round(x / s), s = max|x| / 127 over the group.
+struct QuantizedRows {
+  std::vector<int8_t> q;       // [rows, k]
+  std::vector<float> scale;    // [rows, groups]
+  std::vector<float> sum;      // [rows, groups]: s * sum(q), the zero-point term's activation sum
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, int64_t group_size) {
+  const int64_t groups = k / group_size;
+  QuantizedRows out{std::vector<int8_t>(m * k), std::vector<float>(m * groups), std::vector<float>(m * groups)};
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + r * x_stride + g * group_size;
+      int8_t* qg = out.q.data() + r * k + g * group_size;
+      float amax = 0.f;
+      for (int64_t i = 0; i < group_size; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float s = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t total = 0;
+      for (int64_t i = 0; i < group_size; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xg[i] * inv));
+        qg[i] = static_cast<int8_t>(std::clamp(v, -127, 127));
+        total += qg[i];
+      }
+      out.scale[r * groups + g] = s;
+      out.sum[r * groups + g] = s * static_cast<float>(total);
+    }
+  return out;
+}
+
+struct Weight {
+  const uint8_t* packed;      // [n, k / 2]
+  const float* scales;        // [n, groups]
+  const float* zero_scaled;   // [n, groups]
+  const float* bias;          // [n] or null
+  int64_t k, groups, group_size;
+};
 
 #ifdef __AVX2__
+// The per-row/per-output arrays below (accumulators, totals) must live in registers: that needs their loops
+// over M/R fully unrolled. GCC's size limits stopped doing so from 3-4 rows, and the arrays went to the
+// stack (a load and a store per multiply-add): 4 rows ran ~8x slower than 2.
+#define HEARTH_UNROLL _Pragma("GCC unroll 16")
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -37,67 +100,144 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Rows [0, M) of x (stride x_stride) against one output row's packed weights: y[m] for each m.
-// A accumulators per row: two hide the FMA latency for few rows; eight rows need their registers for one each.
-template <int M, int A>
-void out_row(const float* x, int64_t x_stride, const uint8_t* w, const float* scales, const float* zero_scaled,
-             const float* xsum, int64_t groups, int64_t k, int64_t group_size, float* y, int64_t y_stride,
-             float bias) {
-  __m256 total[M];
-  float zero_term[M];
-  for (int m = 0; m < M; ++m) {
-    total[m] = _mm256_setzero_ps();
-    zero_term[m] = 0.f;
-  }
-  const __m256i low_mask = _mm256_set1_epi32(0x0f);
-  const int64_t halves_per_group = group_size / kHalf;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 acc[M][A];
+inline __m256i dot_u4_s8(__m256i w, __m256i x, __m256i ones) {  // 32 products summed into 8 int32 lanes
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+}
+
+// W4A8: output rows [o, o + R) x activation rows [m0, m0 + M). vpmaddubsw's int16 pair sums (|.| <= 2 x 15 x
+// 127 = 3810) are added in int16 for up to 8 products (256 weights, |.| <= 30480) before one widening vpmaddwd:
+// per 32 weights and row that is one multiply and one add.
+template <int M, int R>
+void tile_a8(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o, float* y, int64_t y_stride) {
+  constexpr int64_t kInt16Span = 256;  // weights whose int16 partial sums cannot overflow
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[M][R];
+  float zero_term[M][R];
+  HEARTH_UNROLL
+  for (int m = 0; m < M; ++m)
+    HEARTH_UNROLL
+    for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps(), zero_term[m][r] = 0.f;
+  const int64_t row_bytes = w.k / 2;
+  const int64_t span = std::min(w.group_size, kInt16Span);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256i acc[M][R];
+    HEARTH_UNROLL
     for (int m = 0; m < M; ++m)
-      for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
-    for (int64_t h = g * halves_per_group; h < (g + 1) * halves_per_group; ++h) {
-      const int64_t i = h * kHalf;
-      __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (h / 2) * 32));
-      if (h & 1) lanes = _mm256_srli_epi32(lanes, 16);  // nibbles 4..7: weights 32..63 of the block
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, low_mask));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, 4), low_mask));
-      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, 8), low_mask));
-      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, 12), low_mask));
-      for (int m = 0; m < M; ++m) {
-        const float* xm = x + m * x_stride + i;
-        acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), acc[m][0]);
-        acc[m][1 % A] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), acc[m][1 % A]);
-        acc[m][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), acc[m][0]);
-        acc[m][1 % A] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), acc[m][1 % A]);
+      HEARTH_UNROLL
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
+    const int64_t first = g * w.group_size;
+    for (int64_t s0 = first; s0 < first + w.group_size; s0 += span) {
+      __m256i part[M][R];
+      HEARTH_UNROLL
+      for (int m = 0; m < M; ++m)
+        HEARTH_UNROLL
+        for (int r = 0; r < R; ++r) part[m][r] = _mm256_setzero_si256();
+      for (int64_t i = s0; i < s0 + span; i += kHalf) {  // 32 weights: the low or the high nibbles of a block
+        const bool high = (i % kBlock) != 0;
+        HEARTH_UNROLL
+        for (int r = 0; r < R; ++r) {
+          __m256i bytes =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.packed + (o + r) * row_bytes + (i / kBlock) * 32));
+          if (high) bytes = _mm256_srli_epi16(bytes, 4);
+          const __m256i q = _mm256_and_si256(bytes, mask);
+          HEARTH_UNROLL
+          for (int m = 0; m < M; ++m) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (m0 + m) * w.k + i));
+            part[m][r] = _mm256_add_epi16(part[m][r], _mm256_maddubs_epi16(q, xv));
+          }
+        }
+      }
+      HEARTH_UNROLL
+      for (int m = 0; m < M; ++m)
+        HEARTH_UNROLL
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(part[m][r], ones));
+    }
+    HEARTH_UNROLL
+    for (int m = 0; m < M; ++m) {
+      const float sx = xq.scale[(m0 + m) * w.groups + g];
+      const float xsum = xq.sum[(m0 + m) * w.groups + g];
+      HEARTH_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const int64_t sg = (o + r) * w.groups + g;
+        total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][r]), _mm256_set1_ps(w.scales[sg] * sx), total[m][r]);
+        zero_term[m][r] += w.zero_scaled[sg] * xsum;
       }
     }
-    const __m256 s = _mm256_set1_ps(scales[g]);
+  }
+  HEARTH_UNROLL
+  for (int m = 0; m < M; ++m)
+    HEARTH_UNROLL
+    for (int r = 0; r < R; ++r)
+      y[(m0 + m) * y_stride + o + r] = hsum(total[m][r]) - zero_term[m][r] + (w.bias ? w.bias[o + r] : 0.f);
+}
+
+// W4A16: one output row x activation rows [m0, m0 + M), float32 FMA; A accumulators per row hide the latency.
+template <int M, int A>
+void row_f32(const Weight& w, const float* x, int64_t x_stride, const float* xsum, int64_t m0, int64_t o, float* y,
+             int64_t y_stride) {
+  __m256 total[M];
+  float zero_term[M];
+  HEARTH_UNROLL
+  for (int m = 0; m < M; ++m) total[m] = _mm256_setzero_ps(), zero_term[m] = 0.f;
+  const __m256i mask = _mm256_set1_epi32(0x0f);
+  const uint8_t* wo = w.packed + o * (w.k / 2);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 acc[M][A];
+    HEARTH_UNROLL
+    for (int m = 0; m < M; ++m)
+      HEARTH_UNROLL
+      for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
+    for (int64_t i = g * w.group_size; i < (g + 1) * w.group_size; i += kHalf) {
+      const uint8_t* bytes = wo + (i / kBlock) * 32;
+      const bool high = (i % kBlock) != 0;
+      HEARTH_UNROLL
+      for (int c = 0; c < 4; ++c) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * c)));
+        v = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, mask);
+        const __m256 wv = _mm256_cvtepi32_ps(v);
+        HEARTH_UNROLL
+        for (int m = 0; m < M; ++m)
+          acc[m][c % A] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + m) * x_stride + i + 8 * c), acc[m][c % A]);
+      }
+    }
+    const __m256 s = _mm256_set1_ps(w.scales[o * w.groups + g]);
+    HEARTH_UNROLL
     for (int m = 0; m < M; ++m) {
       total[m] = _mm256_fmadd_ps(s, A == 2 ? _mm256_add_ps(acc[m][0], acc[m][A - 1]) : acc[m][0], total[m]);
-      zero_term[m] += zero_scaled[g] * xsum[m * groups + g];
+      zero_term[m] += w.zero_scaled[o * w.groups + g] * xsum[(m0 + m) * w.groups + g];
     }
   }
-  for (int m = 0; m < M; ++m) y[m * y_stride] = hsum(total[m]) - zero_term[m] + bias;
+  HEARTH_UNROLL
+  for (int m = 0; m < M; ++m)
+    y[(m0 + m) * y_stride + o] = hsum(total[m]) - zero_term[m] + (w.bias ? w.bias[o] : 0.f);
+}
+
+template <int M>
+void tiles_a8(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t begin, int64_t end, float* y, int64_t n) {
+  // R x M int16 partial sums and float totals within the 16 vector registers; past 2 rows each unpacked
+  // block already serves enough rows.
+  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
+  int64_t o = begin;
+  for (; o + R <= end; o += R) tile_a8<M, R>(w, xq, m0, o, y, n);
+  for (; o < end; ++o) tile_a8<M, 1>(w, xq, m0, o, y, n);
 }
 #endif
 
-void out_row_scalar(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w, const float* scales,
-                    const float* zero_scaled, const float* xsum, int64_t groups, int64_t group_size, float* y,
-                    int64_t y_stride, float bias) {
-  for (int64_t m = 0; m < rows; ++m) {
+void scalar_rows(const Weight& w, const float* x, int64_t x_stride, const QuantizedRows* xq, const float* xsum,
+                 int64_t m0, int64_t rows, int64_t o, float* y, int64_t y_stride) {
+  const uint8_t* wo = w.packed + o * (w.k / 2);
+  for (int64_t m = m0; m < m0 + rows; ++m) {
     float total = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = 0; g < w.groups; ++g) {
       float dot = 0.f;
-      for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
-        const int64_t block = i / kBlock, r = i % kBlock;
-        const uint8_t* lane = w + block * 32 + (r % 8) * 4;  // little-endian uint32 lane r % 8
-        const uint32_t bits = lane[0] | (lane[1] << 8) | (lane[2] << 16) | (static_cast<uint32_t>(lane[3]) << 24);
-        const float q = static_cast<float>((bits >> (4 * (r / 8))) & 0x0f);
-        dot += q * x[m * x_stride + i];
-      }
-      total += scales[g] * dot - zero_scaled[g] * xsum[m * groups + g];
+      for (int64_t i = g * w.group_size; i < (g + 1) * w.group_size; ++i)
+        dot += static_cast<float>(nibble(wo, i)) * (xq ? static_cast<float>(xq->q[m * w.k + i]) : x[m * x_stride + i]);
+      const float sx = xq ? xq->scale[m * w.groups + g] : 1.f;
+      const float s = xq ? xq->sum[m * w.groups + g] : xsum[m * w.groups + g];
+      total += w.scales[o * w.groups + g] * sx * dot - w.zero_scaled[o * w.groups + g] * s;
     }
-    y[m * y_stride] = total + bias;
+    y[m * y_stride + o] = total + (w.bias ? w.bias[o] : 0.f);
   }
 }
 
@@ -107,7 +247,7 @@ at::Tensor int4_skinny_linear(at::Tensor x,            // [rows, in] float32, un
                               at::Tensor packed,       // [out, in / 2] uint8 (layout above)
                               at::Tensor scales,       // [out, groups] float32
                               at::Tensor zero_scaled,  // [out, groups] float32: zero point x scale
-                              int64_t group_size, std::optional<at::Tensor> bias) {
+                              int64_t group_size, std::optional<at::Tensor> bias, bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "int4_skinny_linear: x must be [rows, in] float32 with unit inner stride");
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
@@ -126,47 +266,53 @@ at::Tensor int4_skinny_linear(at::Tensor x,            // [rows, in] float32, un
                 "int4_skinny_linear: bias must be a contiguous float32 [out]");
     bias_ptr = bias->data_ptr<float>();
   }
+  const Weight w{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), zero_scaled.data_ptr<float>(), bias_ptr,
+                 k, groups, group_size};
   const float* x_ptr = x.data_ptr<float>();
   const int64_t x_stride = x.stride(0);
-  // Each row's sum per group, for the zero-point term.
-  std::vector<float> xsum(m * groups);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) s += x_ptr[r * x_stride + i];
-      xsum[r * groups + g] = s;
-    }
+  QuantizedRows xq;
+  std::vector<float> xsum;
+  if (int8_activations) {
+    xq = quantize_rows(x_ptr, x_stride, m, k, group_size);
+  } else {
+    xsum.assign(m * groups, 0.f);  // each row's sum per group, for the zero-point term
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < k; ++i) xsum[r * groups + i / group_size] += x_ptr[r * x_stride + i];
+  }
   auto y = at::empty({m, n}, x.options());
   float* y_ptr = y.data_ptr<float>();
-  const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
-  const float* s_ptr = scales.data_ptr<float>();
-  const float* z_ptr = zero_scaled.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(k, 1));
+  // Chunks of whole 4-row tiles, big enough that a thread's share amortizes the fork.
+  const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(k, 1)) / 4 * 4;
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const uint8_t* w = w_ptr + o * (k / 2);
-      const float* s = s_ptr + o * groups;
-      const float* z = z_ptr + o * groups;
-      const float b = bias_ptr ? bias_ptr[o] : 0.f;
-      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-        const float* xb = x_ptr + m0 * x_stride;
-        const float* xs = xsum.data() + m0 * groups;
-        float* yb = y_ptr + m0 * n + o;
+    const int64_t pass = int8_activations ? kMaxRowsA8 : kMaxRows;
+    for (int64_t m0 = 0; m0 < m; m0 += pass) {
+      const int64_t rows = std::min<int64_t>(m - m0, pass);
 #ifdef __AVX2__
-        switch (std::min<int64_t>(m - m0, kMaxRows)) {
-          case 1: out_row<1, 2>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
-          case 2: out_row<2, 2>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
-          case 3: out_row<3, 2>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
-          case 4: out_row<4, 2>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
-          case 5: out_row<5, 1>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
-          case 6: out_row<6, 1>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
-          case 7: out_row<7, 1>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
-          default: out_row<8, 1>(xb, x_stride, w, s, z, xs, groups, k, group_size, yb, n, b); break;
+      if (int8_activations) {
+        switch (rows) {
+          case 1: tiles_a8<1>(w, xq, m0, begin, end, y_ptr, n); break;
+          case 2: tiles_a8<2>(w, xq, m0, begin, end, y_ptr, n); break;
+          case 3: tiles_a8<3>(w, xq, m0, begin, end, y_ptr, n); break;
+          default: tiles_a8<4>(w, xq, m0, begin, end, y_ptr, n); break;
         }
-#else
-        out_row_scalar(xb, x_stride, std::min<int64_t>(m - m0, kMaxRows), w, s, z, xs, groups, group_size, yb, n, b);
-#endif
+        continue;
       }
+      for (int64_t o = begin; o < end; ++o) {
+        switch (rows) {
+          case 1: row_f32<1, 2>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
+          case 2: row_f32<2, 2>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
+          case 3: row_f32<3, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
+          case 4: row_f32<4, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
+          case 5: row_f32<5, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
+          case 6: row_f32<6, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
+          case 7: row_f32<7, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
+          default: row_f32<8, 1>(w, x_ptr, x_stride, xsum.data(), m0, o, y_ptr, n); break;
+        }
+      }
+#else
+      for (int64_t o = begin; o < end; ++o)
+        scalar_rows(w, x_ptr, x_stride, int8_activations ? &xq : nullptr, xsum.data(), m0, rows, o, y_ptr, n);
+#endif
     }
   });
   return y;
