@@ -141,10 +141,18 @@ class GatedSource:
     def num_pages(self) -> int:
         return self.inner.num_pages
 
-    def read(self, first: int, count: int) -> torch.Tensor:
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inner.dtype
+
+    @property
+    def scales(self):  # type: ignore[no-untyped-def]
+        return self.inner.scales
+
+    def read_into(self, first: int, count: int, out: torch.Tensor) -> None:
         self.reading.set()
         assert self.go.wait(10)
-        return self.inner.read(first, count)
+        self.inner.read_into(first, count, out)
 
 
 def test_a_late_write_never_lands_in_reused_pages(pair) -> None:
@@ -211,3 +219,148 @@ def test_a_corrupted_page_fails_its_checksum_and_is_not_written(pair) -> None:
         (received,) = wait_events(receiver, 1)
     assert not received.ok and "checksum" in received.detail
     assert receiver_pool.read_pages([2]).abs().sum() == 0
+
+
+def fp8_pool(scale_base: float, num_pages: int = 16) -> KVPool:
+    """An FP8 pool with distinct per (layer, KV head) scales, so a test fails if scales are ignored."""
+    pool = make_pool(torch.float8_e4m3fn, num_pages)
+    steps = torch.arange(3 * 2, dtype=torch.float32).view(3, 2)
+    pool.set_scales(scale_base * (1 + steps), scale_base * (2 + steps))
+    return pool
+
+
+def test_bf16_pages_become_fp8_with_the_receivers_own_scales() -> None:
+    """Precision per role: a BF16 prefill pool into an FP8 decode pool, quantized at the receiver with its
+    own scales; bit-exact against the conversion done by hand."""
+    from hearth.kv.convert import convert_pages
+
+    sender_pool, receiver_pool = make_pool(torch.bfloat16), fp8_pool(0.01)
+    sender_pool.storage.normal_()
+    sender, receiver = transport(sender_pool), transport(receiver_pool)
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        receiver.open_receive(ReceiveSpec("f1", 0, [4, 2, 9], 11, HASH))
+        sender.send(SendSpec("f1", endpoint, PoolPageSource(sender_pool, [1, 3, 5]), 12, HASH))
+        assert wait_events(receiver, 1)[0].ok and wait_events(sender, 1)[0].ok
+        scales = (receiver_pool.k_scales, receiver_pool.v_scales)
+        expected = convert_pages(sender_pool.read_pages([1, 3, 5]), torch.float8_e4m3fn, None, scales)
+        got = receiver_pool.read_pages([4, 2, 9])
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        # the scales were applied: dequantized, the pages are the sent values to FP8 precision
+        real = got.float() * torch.stack(scales, 1)[:, :, None, None, :, None]
+        sent = sender_pool.read_pages([1, 3, 5]).float()
+        assert torch.allclose(real, sent, rtol=0.07, atol=0.01 * 2 / 16)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_fp8_pages_with_other_scales_are_rescaled_with_the_senders_scales() -> None:
+    from hearth.kv.convert import convert_pages, pool_scales
+
+    sender_pool, receiver_pool = fp8_pool(0.02), fp8_pool(0.005)
+    sender_pool.storage.copy_(torch.randn(sender_pool.storage.shape).clamp(-4, 4).to(torch.float8_e4m3fn))
+    sender, receiver = transport(sender_pool), transport(receiver_pool)
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        receiver.open_receive(ReceiveSpec("f2", 0, [0, 1], 7, HASH))
+        sender.send(SendSpec("f2", endpoint, PoolPageSource(sender_pool, [6, 7]), 8, HASH))
+        assert wait_events(receiver, 1)[0].ok
+        expected = convert_pages(
+            sender_pool.read_pages([6, 7]),
+            torch.float8_e4m3fn,
+            pool_scales(sender_pool),
+            pool_scales(receiver_pool),
+        )
+        got = receiver_pool.read_pages([0, 1])
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        # not a raw byte copy: the receiver's scales differ, so the stored values must too
+        assert not torch.equal(got.view(torch.uint8), sender_pool.read_pages([6, 7]).view(torch.uint8))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_fp8_pages_into_a_bf16_pool_are_dequantized() -> None:
+    sender_pool, receiver_pool = fp8_pool(0.03), make_pool(torch.bfloat16)
+    sender_pool.storage.copy_(torch.randn(sender_pool.storage.shape).to(torch.float8_e4m3fn))
+    sender, receiver = transport(sender_pool), transport(receiver_pool)
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        receiver.open_receive(ReceiveSpec("f3", 0, [3], 3, HASH))
+        sender.send(SendSpec("f3", endpoint, PoolPageSource(sender_pool, [2]), 4, HASH))
+        assert wait_events(receiver, 1)[0].ok
+        scales = torch.stack((sender_pool.k_scales, sender_pool.v_scales), 1)[:, :, None, None, :, None]
+        expected = (sender_pool.read_pages([2]).float() * scales).to(torch.bfloat16)
+        assert torch.equal(receiver_pool.read_pages([3]), expected)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_both_send_paths_deliver_the_same_bytes(zero_copy: bool) -> None:
+    """Pages sent straight from the pool's runs (sendmsg) or gathered into a staging buffer first."""
+    sender_pool, receiver_pool = make_pool(torch.bfloat16), make_pool(torch.bfloat16)
+    sender_pool.storage.normal_()
+    sender, receiver = transport(sender_pool), transport(receiver_pool)
+    sender.zero_copy_send = zero_copy  # type: ignore[attr-defined]
+    sender.batch_bytes = 3 * sender_pool.layout.bytes_per_page  # type: ignore[attr-defined]  # 3 batches
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        source_pages = [15, 0, 7, 3, 8, 2, 11]
+        receiver.open_receive(ReceiveSpec("z", 0, [1, 4, 6, 9, 10, 12, 14], 27, HASH))
+        sender.send(SendSpec("z", endpoint, PoolPageSource(sender_pool, source_pages), 28, HASH))
+        assert wait_events(receiver, 1)[0].ok and wait_events(sender, 1)[0].ok
+        assert torch.equal(
+            receiver_pool.read_pages([1, 4, 6, 9, 10, 12, 14]), sender_pool.read_pages(source_pages)
+        )
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_closing_while_bytes_land_straight_in_the_pool_stops_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same-dtype pages are received straight into the pool's pages. A close in the middle of a batch
+    must cut that receive and return only when no byte of it can land any more."""
+    from hearth.kv_transfer import tcp
+
+    sender_pool, receiver_pool = make_pool(torch.bfloat16), make_pool(torch.bfloat16)
+    sender_pool.storage.fill_(1.0)
+    sender, receiver = transport(sender_pool), transport(receiver_pool)
+    midway, go = threading.Event(), threading.Event()
+    original = tcp._sendall_parts
+
+    def stalling(sock, parts):  # type: ignore[no-untyped-def]
+        if len(parts) > 2:  # a batch: its header and the first runs, then a stall mid-batch
+            original(sock, parts[:3])
+            midway.set()
+            assert go.wait(10)
+            parts = parts[3:]
+        original(sock, parts)
+
+    monkeypatch.setattr(tcp, "_sendall_parts", stalling)
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        receiver.open_receive(ReceiveSpec("mid", 0, [5, 6], 7, HASH))
+        sender.send(SendSpec("mid", endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH))
+        assert midway.wait(10)
+        deadline = time.monotonic() + 10
+        while "mid" not in receiver._writing:  # type: ignore[attr-defined]  # in recvmsg_into now
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        receiver.close_receive("mid")
+        assert time.monotonic() - started < 5  # cut, not waited out to the socket timeout
+        # The pages are freed and reused by another request, which writes its own KV there.
+        receiver_pool.write_pages([5, 6], torch.full_like(receiver_pool.read_pages([5, 6]), 7.0))
+        go.set()
+        (sent,) = wait_events(sender, 1)
+        assert not sent.ok
+        time.sleep(0.2)
+        assert bool((receiver_pool.read_pages([5, 6]) == 7.0).all())  # nothing of the old transfer landed
+        assert receiver.events() == []  # a closed receive is not answered
+    finally:
+        go.set()
+        sender.close()
+        receiver.close()

@@ -69,7 +69,12 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # with the sender's per (layer, KV head) scales (Auth.scales)
 }
+
+# (K, V) per (layer, KV head) scales of an FP8 pool, float32 `[num_layers, num_kv_heads]`: stored value x
+# scale = real value. None for pools that store real values.
+Scales = tuple[torch.Tensor, torch.Tensor]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -82,18 +87,28 @@ def prompt_hash(token_ids: list[int]) -> int:
 
 
 class PageSource(Protocol):
-    """The sender's pages: request page `i` is `read(i, 1)`."""
+    """The sender's pages: request page `i` is page `i` of what `read_into` writes."""
 
     @property
     def num_pages(self) -> int: ...
 
-    def read(self, first: int, count: int) -> torch.Tensor:
-        """Pages [first, first + count) page-major, `[count, *page_shape]`, contiguous, on the CPU."""
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def scales(self) -> Scales | None:
+        """The sender pool's FP8 scales (they travel in the handshake), or None."""
+        ...
+
+    def read_into(self, first: int, count: int, out: torch.Tensor) -> None:
+        """Pages [first, first + count) page-major into `out` (`[count, *page_shape]`, contiguous, CPU):
+        the sender reuses one staging buffer for every batch."""
         ...
 
 
-# Writes pages (`[count, *page_shape]`, any float dtype, CPU) into the named pool pages.
-PageSink = Callable[[list[int], torch.Tensor], None]
+# Writes pages (`[count, *page_shape]`, any wire dtype, CPU; with the sender's scales when FP8) into the
+# named pool pages, converting to the pool's dtype and scales.
+PageSink = Callable[[list[int], torch.Tensor, Scales | None], None]
 
 
 @dataclass

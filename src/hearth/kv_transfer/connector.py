@@ -25,12 +25,14 @@ import torch
 
 from hearth.engine.kv_connector import KVConnector, KVLoadPart, KVLoadResult
 from hearth.engine.request import Request, RequestStatus
+from hearth.kv.convert import pool_scales, write_converted_pages
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.kv_transfer.base import (
     KVTransport,
     PageSink,
     ReceiveSpec,
+    Scales,
     SendSpec,
     WireLayout,
     dtype_name,
@@ -59,6 +61,25 @@ def _paged(pool: KVPool) -> torch.Tensor:
     )
 
 
+def pool_bytes(pool: KVPool) -> memoryview:
+    if pool.storage.device.type != "cpu":
+        raise ValueError("page runs are CPU memory")
+    return memoryview(pool.storage.view(torch.uint8).numpy()).cast("B")
+
+
+def pool_page_runs(pool: KVPool, whole: memoryview, page_ids: list[int]) -> list[memoryview]:
+    """The pool's bytes of `page_ids` as contiguous runs in wire order (page, layer, K/V): a page is
+    `num_layers x num_planes` runs of `page_size x heads x head_dim` values. Plain memoryview slices
+    (a tensor view per run would cost more than the copy it saves)."""
+    layout = pool.layout
+    run = layout.page_size * layout.num_kv_heads * layout.head_dim * pool.storage.element_size()
+    plane_stride = pool.num_pages * run
+    planes = [plane * plane_stride for plane in range(layout.num_layers * layout.num_planes)]
+    return [
+        whole[base + page_id * run : base + (page_id + 1) * run] for page_id in page_ids for base in planes
+    ]
+
+
 class PoolPageSource:
     """A request's held pages, read page-major for the wire.
 
@@ -70,35 +91,71 @@ class PoolPageSource:
     def __init__(self, pool: KVPool, page_ids: list[int]) -> None:
         self.pool = pool
         self.page_ids = page_ids
+        self._bytes: memoryview | None = None
+        if pool.storage.device.type != "cpu":
+            self.page_runs = None  # type: ignore[assignment]  # GPU pools: gathered into host memory
 
     @property
     def num_pages(self) -> int:
         return len(self.page_ids)
 
-    def read(self, first: int, count: int) -> torch.Tensor:
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.layout.kv_dtype
+
+    @property
+    def scales(self) -> Scales | None:
+        return pool_scales(self.pool)
+
+    def page_runs(self, first: int, count: int) -> list[memoryview]:
+        """Pages [first, first + count) as the contiguous byte runs of the pool that hold them, in wire
+        order: the sender hands these to `sendmsg`, with no gather copy."""
+        if self._bytes is None:
+            self._bytes = pool_bytes(self.pool)
+        return pool_page_runs(self.pool, self._bytes, self.page_ids[first : first + count])
+
+    def read_into(self, first: int, count: int, out: torch.Tensor) -> None:
         paged = _paged(self.pool)
-        out = torch.empty((count, *paged.shape[:2], *paged.shape[3:]), dtype=paged.dtype)
         for index, page_id in enumerate(self.page_ids[first : first + count]):
             out[index].copy_(paged[:, :, page_id])
-        return out
 
 
-def pool_sink(pool: KVPool) -> PageSink:
-    """Writes wire pages into the pool; a different float dtype is converted here (the receiver's job).
+class PoolSink:
+    """Writes wire pages into the pool; a different dtype or other FP8 scales are converted here (the
+    receiver's job: precision per role, e.g. a BF16 prefill pool into an FP8 decode pool, quantized with
+    the decode pool's own per-head scales; FP8 pages are first multiplied by the sender's scales).
 
-    A quantized pool (FP8 with scales) goes through `write_pages`, where the FP8 KV work converts with
-    its scales; plain float pools get one `copy_` per page (see PoolPageSource).
+    Pages that need no conversion get one `copy_` per page (a page is 2 x num_layers contiguous runs in
+    the pool): measured ~3.5x faster than one `index_copy_` over the batch, which goes through a
+    strided gather. Better still, a transport that can receive straight into the pool asks `page_runs`
+    (same dtype, no scales: the bytes on the wire are the bytes to store).
     """
 
-    def sink(page_ids: list[int], data: torch.Tensor) -> None:
-        if pool.k_scales is not None:
-            pool.write_pages(page_ids, data.permute(1, 2, 0, 3, 4, 5))
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self._bytes: memoryview | None = None
+
+    def __call__(self, page_ids: list[int], data: torch.Tensor, src_scales: Scales | None = None) -> None:
+        pool = self.pool
+        if pool.quantized or src_scales is not None:
+            write_converted_pages(pool, page_ids, data.permute(1, 2, 0, 3, 4, 5), src_scales)
             return
         paged = _paged(pool)
         for index, page_id in enumerate(page_ids):
-            paged[:, :, page_id].copy_(data[index])
+            paged[:, :, page_id].copy_(data[index])  # a float dtype other than the pool's converts here
 
-    return sink
+    def page_runs(self, page_ids: list[int], dtype: torch.dtype) -> list[memoryview] | None:
+        """Where wire pages of `dtype` can be received as they are, or None (they need converting)."""
+        pool = self.pool
+        if dtype != pool.layout.kv_dtype or pool.quantized or pool.storage.device.type != "cpu":
+            return None
+        if self._bytes is None:
+            self._bytes = pool_bytes(pool)
+        return pool_page_runs(pool, self._bytes, page_ids)
+
+
+def pool_sink(pool: KVPool) -> PageSink:
+    return PoolSink(pool)
 
 
 class PeerKVConnector(KVConnector):

@@ -9,12 +9,18 @@ an xxh3 checksum). Nothing is pickled, and a batch of many pages is streamed wit
     Hello(transfer_id, nonce_s)        ─▶
                                         ◀─    Challenge(nonce_r, HMAC(secret, r|nonce_s|nonce_r), layout)
     Auth(HMAC(secret, s|nonce_r|nonce_s),
-         layout, num_tokens, prompt_hash) ─▶   checks the MAC and the layout, waits (up to the timeout)
+         layout, num_tokens, prompt_hash,
+         FP8 scales if the pages are FP8) ─▶   checks the MAC and the layout, waits (up to the timeout)
                                                for the decode request to open the transfer
                                         ◀─    Want(first_page, num_pages) | Want(0, 0, error)
     Batch(transfer_id, ...) + bytes ... ─▶    each batch: checksums, then written under the lock, only
     Done(transfer_id)                  ─▶     if the transfer is still open (else dropped and counted)
                                         ◀─    Ack(ok)
+
+Bytes are copied in user space only where they must be converted: the sender `sendmsg`s the pool's own
+page runs, and a receiver whose pool has the wire's dtype `recvmsg_into`s them straight into its pages
+(a close cuts that receive and waits for it). Other dtypes (and FP8 scales) are converted at the
+receiver through `hearth.kv.convert`, with its own scales.
 
 Both sides prove they hold the deployment's secret (a challenge each way, so neither a stray sender nor
 a stray listener gets KV). A refused handshake fails the transfer at once on the decode side (its
@@ -35,6 +41,7 @@ from collections import OrderedDict
 
 import msgspec
 import torch
+import xxhash
 
 from hearth.kv.checksum import PageChecksumError, page_checksum, verify_page_checksum
 from hearth.kv_transfer.base import (
@@ -42,6 +49,7 @@ from hearth.kv_transfer.base import (
     KVTransport,
     PageSink,
     ReceiveSpec,
+    Scales,
     SendSpec,
     TransferEvent,
     WireLayout,
@@ -55,6 +63,13 @@ PROTOCOL_VERSION = 1
 _LENGTH = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 20
 BATCH_BYTES = 8 << 20  # pages per batch: about this many bytes (at least one page)
+# Kernel socket buffers for page streams. Linux's autotuned default starts small on a fresh connection,
+# and loopback then runs at ~0.8 GB/s with nothing else to do (scripts/bench_kv_transfer.py); 4 MiB each
+# way (the default net.core.[rw]mem_max caps what a process may ask) about doubles that. Set before
+# connect/listen so the window scale the handshake negotiates can use it.
+SOCKET_BUFFER_BYTES = 4 << 20
+_MAX_IOVECS = 512  # buffers per sendmsg call (Linux's IOV_MAX is 1024)
+_FREE_BUFFERS = 4  # reusable batch buffers kept per transport (one per concurrent connection in use)
 _CLOSED_MEMORY = 65536  # closed/failed transfer ids remembered, so late senders are answered at once
 
 
@@ -75,6 +90,8 @@ class Auth(msgspec.Struct, tag=True):
     layout: WireLayout
     num_tokens: int
     prompt_hash: int
+    # An FP8 sender's scales, K then V, each `[num_layers, num_kv_heads]` row-major (float32 values).
+    scales: list[float] | None = None
 
 
 class Want(msgspec.Struct, tag=True):
@@ -126,6 +143,72 @@ def _recv_exact(sock: socket.socket, buffer: bytearray | memoryview) -> None:
         view = view[count:]
 
 
+def _tune(sock: socket.socket, buffer_bytes: int) -> None:
+    if buffer_bytes <= 0:  # 0: the kernel's autotuned default (scripts/bench_kv_transfer.py's baseline)
+        return
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, buffer_bytes)
+        except OSError:  # some platforms cap or refuse it: the default still works, slower
+            pass
+
+
+class _BufferPool:
+    """Batch buffers reused across batches and transfers: a fresh 8 MiB buffer per batch costs its
+    page faults (and zeroing) every time, which measured as much as the copy itself."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[bytearray] = []
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            for index, buffer in enumerate(self._free):
+                if len(buffer) >= size:
+                    return self._free.pop(index)
+        return bytearray(max(size, BATCH_BYTES))
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < _FREE_BUFFERS:
+                self._free.append(buffer)
+
+
+def page_checksum_runs(runs: list[memoryview]) -> int:
+    """`page_checksum` of the concatenated runs, without concatenating them (xxh3 streams)."""
+    state = xxhash.xxh3_64()
+    for run in runs:
+        state.update(run)
+    return state.intdigest()
+
+
+def _recv_exact_parts(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every buffer of `views` in order from the socket (`recvmsg_into`: one call, many buffers)."""
+    views = list(views)
+    first = 0
+    while first < len(views):
+        count = sock.recvmsg_into(views[first : first + _MAX_IOVECS])[0]
+        if count == 0:
+            raise TransferError("the peer closed the connection mid-transfer")
+        while first < len(views) and count >= len(views[first]):
+            count -= len(views[first])
+            first += 1
+        if count:
+            views[first] = views[first][count:]
+
+
+def _sendall_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """`sendall` of several buffers with `sendmsg` (no concatenation copy of the page bytes)."""
+    views = [memoryview(part).cast("B") for part in parts]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
 def send_message(sock: socket.socket, message: Message) -> None:
     data = _encoder.encode(message)
     sock.sendall(_LENGTH.pack(len(data)) + data)
@@ -148,6 +231,23 @@ def _expect(message: Message, kind: type[Message]) -> Message:
     return message
 
 
+def encode_scales(scales: Scales | None) -> list[float] | None:
+    if scales is None:
+        return None
+    return torch.stack(scales).float().flatten().tolist()
+
+
+def decode_scales(values: list[float] | None, layout: WireLayout) -> Scales | None:
+    if values is None:
+        return None
+    if len(values) != 2 * layout.num_layers * layout.num_kv_heads:
+        raise TransferError(f"{len(values)} FP8 scales sent, this layout takes 2 x layers x KV heads")
+    both = torch.tensor(values, dtype=torch.float32).view(2, layout.num_layers, layout.num_kv_heads)
+    if not bool(torch.isfinite(both).all()) or not bool((both > 0).all()):
+        raise TransferError("the sender's FP8 scales must be finite and > 0")
+    return both[0], both[1]
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     address = endpoint.removeprefix("tcp://")
     host, _, port = address.rpartition(":")
@@ -161,6 +261,12 @@ class TCPTransport(KVTransport):
     def __init__(self, layout: WireLayout, secret: bytes, timeout_s: float, sink: PageSink) -> None:
         super().__init__(layout, secret, timeout_s, sink)
         self.batch_bytes = BATCH_BYTES
+        self.socket_buffer_bytes = SOCKET_BUFFER_BYTES
+        self.zero_copy_send = True  # False: gather into a staging buffer first (the bench's A/B)
+        self.direct_receive = True  # False: receive into a buffer, then copy into the pool (the A/B)
+        self._writing: dict[str, socket.socket] = {}  # transfers whose bytes are being received into the pool
+        self._buffers = _BufferPool()
+        self._local = threading.local()  # each connection thread's reused batch buffer
         self._cond = threading.Condition()  # guards everything below and every write into the pool
         self._open: dict[str, ReceiveSpec] = {}
         self._claimed: set[str] = set()  # open transfers a sender is connected for
@@ -173,7 +279,12 @@ class TCPTransport(KVTransport):
     # ---- the decode side ------------------------------------------------------------------------
 
     def listen(self, host: str, port: int) -> str:
-        server = socket.create_server((host, port), backlog=256, reuse_port=False)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server = socket.socket(family, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        _tune(server, self.socket_buffer_bytes)  # accepted connections inherit the buffer sizes
+        server.bind((host, port))
+        server.listen(256)
         self._server = server
         bound_port = server.getsockname()[1]
         threading.Thread(target=self._accept_loop, name="hearth-kv-accept", daemon=True).start()
@@ -190,10 +301,19 @@ class TCPTransport(KVTransport):
             self._cond.notify_all()
 
     def close_receive(self, transfer_id: str) -> None:
-        with self._cond:  # a write in progress holds this lock: when we have it, none is under way
+        with self._cond:  # a copy into the pool holds this lock: when we have it, none is under way
             self._open.pop(transfer_id, None)
             self._remember(self._closed, transfer_id, None)
             self._cond.notify_all()
+            sock = self._writing.get(transfer_id)
+            if sock is not None:
+                # Bytes are being received straight into its pages: cut the connection (the receive
+                # returns at once) and wait until that thread has left the pool.
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self._cond.wait_for(lambda: transfer_id not in self._writing)
 
     def _accept_loop(self) -> None:
         server = self._server
@@ -252,13 +372,21 @@ class TCPTransport(KVTransport):
                 try:
                     want = Want(spec.first_page, len(spec.page_ids))
                     send_message(sock, self._want_extras(want, payload))
-                    self._receive_pages(sock, spec, payload)
+                    self._receive_pages(sock, spec, payload, decode_scales(auth.scales, self.layout))
                 finally:
                     self._close_payload(payload)
         except (OSError, TransferError, msgspec.DecodeError, ValueError) as exc:
             if transfer_id is not None:
                 self._fail(transfer_id, f"transfer broken: {exc}")
+        except Exception as exc:  # a bug here must still end the transfer (its request recomputes)
+            logger.exception("KV transfer %s: receiving failed", transfer_id)
+            if transfer_id is not None:
+                self._fail(transfer_id, f"receiving failed: {type(exc).__name__}: {exc}")
         finally:
+            buffer = getattr(self._local, "buffer", None)
+            if buffer is not None:
+                self._local.buffer = None
+                self._buffers.give(buffer)
             if transfer_id is not None:
                 with self._cond:
                     self._claimed.discard(transfer_id)
@@ -284,10 +412,16 @@ class TCPTransport(KVTransport):
     def _want_extras(self, want: Want, payload: object) -> Want:
         return want
 
-    def _recv_payload(self, sock: socket.socket, payload: object, batch: Batch, size: int) -> bytearray:
-        buffer = bytearray(size)
-        _recv_exact(sock, buffer)
-        return buffer
+    def _recv_payload(self, sock: socket.socket, payload: object, batch: Batch, size: int) -> memoryview:
+        """The batch's bytes; valid until the next call for this connection (the buffer is reused)."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or len(buffer) < size:
+            if buffer is not None:
+                self._buffers.give(buffer)
+            buffer = self._local.buffer = self._buffers.take(size)
+        view = memoryview(buffer)[:size]
+        _recv_exact(sock, view)
+        return view
 
     def _close_payload(self, payload: object) -> None:
         pass
@@ -295,7 +429,9 @@ class TCPTransport(KVTransport):
     def _send_payload(self, sock: socket.socket, want: Want, raw: memoryview, offset: int) -> None:
         """Off-socket transports move `raw` here; on TCP it follows its Batch header."""
 
-    def _receive_pages(self, sock: socket.socket, spec: ReceiveSpec, payload: object) -> None:
+    def _receive_pages(
+        self, sock: socket.socket, spec: ReceiveSpec, payload: object, src_scales: Scales | None
+    ) -> None:
         layout = self.layout
         end_page = spec.first_page + len(spec.page_ids)
         next_page = spec.first_page
@@ -305,6 +441,8 @@ class TCPTransport(KVTransport):
             dtype = WIRE_DTYPES.get(batch.dtype)
             if dtype is None:
                 raise TransferError(f"pages in dtype {batch.dtype!r} cannot be received here")
+            if (dtype == torch.float8_e4m3fn) != (src_scales is not None):
+                raise TransferError("FP8 pages come with the sender's scales, and only FP8 pages do")
             if (
                 batch.first_page != next_page
                 or batch.num_pages < 1
@@ -312,26 +450,36 @@ class TCPTransport(KVTransport):
             ):
                 raise TransferError(f"batch of pages {batch.first_page}+{batch.num_pages} out of order")
             page_bytes = layout.page_bytes(dtype)
-            buffer = self._recv_payload(sock, payload, batch, page_bytes * batch.num_pages)
-            view = memoryview(buffer)
             if len(batch.checksums) != batch.num_pages:
                 raise TransferError("a batch must carry one checksum per page")
-            for index, expected in enumerate(batch.checksums):
-                try:
-                    verify_page_checksum(view[index * page_bytes : (index + 1) * page_bytes], expected)
-                except PageChecksumError as exc:
-                    raise TransferError(f"page {batch.first_page + index}: {exc}") from exc
-            data = torch.frombuffer(buffer, dtype=dtype).view(batch.num_pages, *layout.page_shape())
             offset = batch.first_page - spec.first_page
+            page_ids = spec.page_ids[offset : offset + batch.num_pages]
+            page_runs = getattr(self.sink, "page_runs", None)
+            runs = (
+                page_runs(page_ids, dtype)
+                if page_runs is not None and payload is None and src_scales is None and self.direct_receive
+                else None
+            )
+            if runs is not None:
+                self._receive_into_pool(sock, spec, batch, runs)
+            else:
+                view = self._recv_payload(sock, payload, batch, page_bytes * batch.num_pages)
+                for index, expected in enumerate(batch.checksums):
+                    try:
+                        verify_page_checksum(view[index * page_bytes : (index + 1) * page_bytes], expected)
+                    except PageChecksumError as exc:
+                        raise TransferError(f"page {batch.first_page + index}: {exc}") from exc
+                data = torch.frombuffer(view, dtype=dtype).view(batch.num_pages, *layout.page_shape())
+                with self._cond:
+                    # The transfer id is checked on every write: a closed transfer's pages may already be
+                    # another request's, so its late pages are dropped, never written.
+                    if batch.transfer_id != spec.transfer_id or self._open.get(spec.transfer_id) is not spec:
+                        self.counters.late_writes_dropped += batch.num_pages
+                        raise TransferError("the transfer was closed; late pages dropped")
+                    self.sink(page_ids, data, src_scales)
             with self._cond:
-                # The transfer id is checked on every write: a closed transfer's pages may already be
-                # another request's, so its late pages are dropped, never written.
-                if batch.transfer_id != spec.transfer_id or self._open.get(spec.transfer_id) is not spec:
-                    self.counters.late_writes_dropped += batch.num_pages
-                    raise TransferError("the transfer was closed; late pages dropped")
-                self.sink(spec.page_ids[offset : offset + batch.num_pages], data)
                 self.counters.pages_received += batch.num_pages
-                self.counters.bytes_received += len(buffer)
+                self.counters.bytes_received += page_bytes * batch.num_pages
             next_page += batch.num_pages
         _expect(recv_message(sock), Done)
         with self._cond:
@@ -341,6 +489,37 @@ class TCPTransport(KVTransport):
                 self._remember(self._closed, spec.transfer_id, None)
                 self._push(TransferEvent(spec.transfer_id, "received", True, num_pages=len(spec.page_ids)))
         send_message(sock, Ack(ok, None if ok else "the transfer was closed"))
+
+    def _receive_into_pool(
+        self, sock: socket.socket, spec: ReceiveSpec, batch: Batch, runs: list[memoryview]
+    ) -> None:
+        """The batch's bytes straight into the pool's pages (`recvmsg_into` over their runs): no buffer,
+        no copy. The transfer is registered as writing while the bytes land; `close_receive` cuts the
+        socket and waits for this to end, so no byte lands after it returns. The checksums are verified
+        on the pool's bytes afterwards: a mismatch fails the transfer (its pages are recomputed, and
+        they were never visible to a request, which waits for the load to end)."""
+        with self._cond:
+            if batch.transfer_id != spec.transfer_id or self._open.get(spec.transfer_id) is not spec:
+                self.counters.late_writes_dropped += batch.num_pages
+                raise TransferError("the transfer was closed; late pages dropped")
+            self._writing[spec.transfer_id] = sock
+        try:
+            _recv_exact_parts(sock, runs)
+        finally:
+            with self._cond:
+                del self._writing[spec.transfer_id]
+                self._cond.notify_all()
+                closed = self._open.get(spec.transfer_id) is not spec
+        if closed:
+            raise TransferError("the transfer was closed mid-batch")
+        per_page = len(runs) // batch.num_pages
+        for index, expected in enumerate(batch.checksums):
+            found = page_checksum_runs(runs[index * per_page : (index + 1) * per_page])
+            if found != expected:
+                raise TransferError(
+                    f"page {batch.first_page + index}: page checksum mismatch: expected {expected:#018x}, "
+                    f"found {found:#018x}"
+                )
 
     def _fail(self, transfer_id: str, reason: str) -> None:
         with self._cond:
@@ -359,7 +538,11 @@ class TCPTransport(KVTransport):
         ok, detail, num_pages = False, "", 0
         try:
             host, port = parse_endpoint(spec.endpoint)
-            with socket.create_connection((host, port), timeout=self.timeout_s) as sock:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                _tune(sock, self.socket_buffer_bytes)
+                sock.settimeout(self.timeout_s)
+                sock.connect((host, port))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 nonce = secrets.token_bytes(32)
                 send_message(sock, Hello(PROTOCOL_VERSION, spec.transfer_id, nonce))
@@ -374,6 +557,7 @@ class TCPTransport(KVTransport):
                         self.layout,
                         spec.num_tokens,
                         spec.prompt_hash,
+                        encode_scales(spec.source.scales),
                     ),
                 )
                 if not hmac.compare_digest(challenge.mac, _mac(self.secret, b"r", nonce, challenge.nonce)):
@@ -395,6 +579,9 @@ class TCPTransport(KVTransport):
         except (OSError, TransferError, msgspec.DecodeError, ValueError) as exc:
             detail = str(exc) or type(exc).__name__
             logger.warning("KV transfer %s to %s failed: %s", spec.transfer_id, spec.endpoint, detail)
+        except Exception as exc:  # a bug here must still answer the send: the pages it holds are released
+            detail = f"sending failed: {type(exc).__name__}: {exc}"
+            logger.exception("KV transfer %s to %s: sending failed", spec.transfer_id, spec.endpoint)
         with self._cond:
             self._push(TransferEvent(spec.transfer_id, "sent", ok, detail, num_pages if ok else 0))
 
@@ -404,29 +591,58 @@ class TCPTransport(KVTransport):
         end = want.first_page + want.num_pages
         if want.first_page < 0 or end > spec.source.num_pages:
             raise TransferError(f"pages {want.first_page}..{end} wanted, {spec.source.num_pages} held")
-        per_batch = None
-        offset = 0
-        first = want.first_page
-        while first < end:
-            if per_batch is None:
-                probe = spec.source.read(first, 1)
-                per_batch = max(1, self.batch_bytes // (probe.numel() * probe.element_size()))
-            count = min(per_batch, end - first)
-            data = spec.source.read(first, count).contiguous()
-            raw = memoryview(data.view(torch.uint8).numpy()).cast("B")
-            page_bytes = len(raw) // count
-            checksums = [page_checksum(raw[i * page_bytes : (i + 1) * page_bytes]) for i in range(count)]
-            self._send_payload(sock, want, raw, offset)  # off-socket bytes land before their header
-            send_message(
-                sock, Batch(spec.transfer_id, first, count, dtype_name(data.dtype), checksums, offset)
-            )
-            if want.remote is None:
-                sock.sendall(raw)
-            offset += len(raw)
-            with self._cond:
-                self.counters.pages_sent += count
-                self.counters.bytes_sent += len(raw)
-            first += count
+        page_bytes = self.layout.page_bytes(spec.source.dtype)
+        per_batch = max(1, self.batch_bytes // page_bytes)
+        page_runs = getattr(spec.source, "page_runs", None)
+        if want.remote is None and self.zero_copy_send and page_runs is not None:
+            # The kernel copies straight from the pool's pages (held until the send ends): no gather copy.
+            first = want.first_page
+            while first < end:
+                count = min(per_batch, end - first)
+                runs = page_runs(first, count)  # count pages x their contiguous runs, in wire order
+                per_page = len(runs) // count
+                checksums = [
+                    page_checksum_runs(runs[i * per_page : (i + 1) * per_page]) for i in range(count)
+                ]
+                header = _encoder.encode(
+                    Batch(spec.transfer_id, first, count, dtype_name(spec.source.dtype), checksums)
+                )
+                for start in range(0, len(runs), _MAX_IOVECS):
+                    parts = runs[start : start + _MAX_IOVECS]
+                    _sendall_parts(
+                        sock, [_LENGTH.pack(len(header)) + header, *parts] if start == 0 else parts
+                    )
+                with self._cond:
+                    self.counters.pages_sent += count
+                    self.counters.bytes_sent += count * page_bytes
+                first += count
+            send_message(sock, Done(spec.transfer_id))
+            return want.num_pages
+        staging = self._buffers.take(per_batch * page_bytes)  # reused: no page faults per batch
+        try:
+            offset = 0
+            first = want.first_page
+            while first < end:
+                count = min(per_batch, end - first)
+                raw = memoryview(staging)[: count * page_bytes]
+                out = torch.frombuffer(raw, dtype=spec.source.dtype).view(count, *self.layout.page_shape())
+                spec.source.read_into(first, count, out)
+                checksums = [page_checksum(raw[i * page_bytes : (i + 1) * page_bytes]) for i in range(count)]
+                self._send_payload(sock, want, raw, offset)  # off-socket bytes land before their header
+                header = _encoder.encode(
+                    Batch(spec.transfer_id, first, count, dtype_name(spec.source.dtype), checksums, offset)
+                )
+                if want.remote is None:  # header and pages in one call (no concatenation copy)
+                    _sendall_parts(sock, [_LENGTH.pack(len(header)) + header, raw])
+                else:
+                    sock.sendall(_LENGTH.pack(len(header)) + header)
+                offset += len(raw)
+                with self._cond:
+                    self.counters.pages_sent += count
+                    self.counters.bytes_sent += len(raw)
+                first += count
+        finally:
+            self._buffers.give(staging)
         send_message(sock, Done(spec.transfer_id))
         return want.num_pages
 
