@@ -159,6 +159,7 @@ class Audit:
     (computed from the allocator, in Python) and the rows the worker's check reported."""
 
     inconsistent: set[tuple[int, str]] = field(default_factory=set)  # (step, request id)
+    inconsistent_requests: set[str] = field(default_factory=set)  # every request id in `inconsistent`
     detected: set[tuple[int, str]] = field(default_factory=set)
     steps: int = 0
 
@@ -179,6 +180,7 @@ class Audit:
                 pairs = zip(request.page_ids[:num_pages], request.page_generations[:num_pages], strict=True)
                 if any(generations[page] != tag for page, tag in pairs):
                     self.inconsistent.add((self.steps, request.request_id))
+                    self.inconsistent_requests.add(request.request_id)
             return build(scheduled, *args)
 
         def audited_execute(step: StepInput) -> StepOutput:

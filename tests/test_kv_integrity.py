@@ -326,7 +326,10 @@ def test_the_first_failure_is_recomputed_and_the_second_ends_in_error_even_after
     assert failed is request and "2 time(s)" in message and "expected tag 105, found 7" in message
     assert scheduler.recomputed == ["r"] and scheduler.forgotten == ["r"]
     # Counted per request: another request's first failure is still recomputed.
-    assert policy.handle(batch, [PageTagMismatch(1, 0, 6, 106, 8)]) == [] and scheduler.recomputed == ["r", "o"]
+    assert policy.handle(batch, [PageTagMismatch(1, 0, 6, 106, 8)]) == [] and scheduler.recomputed == [
+        "r",
+        "o",
+    ]
     assert policy.num_failures == 3 and policy.num_recomputed == 2
 
 
