@@ -389,5 +389,8 @@ def test_tiny_model_under_faults_never_returns_a_wrong_token_and_does_without_th
         if integrity:
             assert faulty.integrity.num_failures > 0
     assert verdicts[True].num_wrong == 0, verdicts[True].wrong_request_ids
-    assert verdicts[True].num_correct >= 0.8 * len(prompts)
+    # A dense rate (about one fault per request): a request's second failure ends it, so many end in
+    # "error"; the point here is that none returns a wrong token and that most still finish correctly.
+    assert verdicts[True].num_correct + verdicts[True].num_error == len(prompts)
+    assert verdicts[True].num_correct >= 0.5 * len(prompts)
     assert verdicts[False].num_wrong > 0
