@@ -83,6 +83,27 @@ def decode_step_input(batch: int, context: int, page_size: int) -> StepInput:
     )  # fmt: skip
 
 
+def page_tag_check_seconds(step: StepInput, pool: KVPool, device: torch.device, repeats: int) -> float:
+    """Seconds of the KV integrity check (`check_page_tags`, Triton on CUDA) over this step's page table."""
+    from hearth.ops.triton.page_tags import check_page_tags, check_page_tags_reference
+
+    check = check_page_tags if device.type == "cuda" else check_page_tags_reference
+    rows = step.num_decode_rows
+    table = torch.tensor(step.page_table, device=device, dtype=torch.int32).view(rows, step.page_table_width)
+    pool_tags = torch.arange(pool.num_pages, device=device, dtype=torch.int64)
+    expected = pool_tags[table.long()]
+    num_pages = torch.full((rows,), step.page_table_width, device=device, dtype=torch.int32)
+    assert not bool(check(table, expected, num_pages, pool_tags).any())
+    for _ in range(3):
+        check(table, expected, num_pages, pool_tags)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        check(table, expected, num_pages, pool_tags)
+    sync(device)
+    return (time.perf_counter() - start) / repeats
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -133,15 +154,18 @@ def main() -> None:
             model(ids, positions, AttentionContext(backend, backend.prepare(step), pool), logits_indices)
         sync(device)
         step_s = (time.perf_counter() - start) / args.steps
+        check_s = page_tag_check_seconds(step, pool, device, args.steps)
         kv_bytes = batch * args.context * layout.bytes_per_page // args.page_size
         achieved = (weight_bytes + kv_bytes) / step_s
         rows.append({
             "batch": batch, "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s,
             "achieved_GBps": achieved / 1e9, "fraction_of_copy": achieved / copy_bps,
+            "page_tag_check_us": check_s * 1e6, "page_tag_check_fraction": check_s / step_s,
         })  # fmt: skip
         print(
             f"batch {batch:>3}: step {step_s * 1e3:7.2f} ms, {batch / step_s:9.1f} tok/s, "
-            f"{achieved / 1e9:7.0f} GB/s = {100 * achieved / copy_bps:5.1f}% of copy"
+            f"{achieved / 1e9:7.0f} GB/s = {100 * achieved / copy_bps:5.1f}% of copy; "
+            f"KV page-tag check {check_s * 1e6:.1f} us = {100 * check_s / step_s:.3f}% of the step"
         )
     if args.json:
         with open(args.json, "w") as out:

@@ -1,23 +1,44 @@
 #!/usr/bin/env bash
-# One short GPU check (run through the device tool when a task has a GPU lent): the Triton kernel tests
-# natively on CUDA, then the decode benchmark of a Llama-3-8B-shaped model at batch 1, 8 and 64.
+# One short GPU check (run through the device tool when a task has a GPU lent). Each part has its own
+# time limit and its output goes to $OUT, so one part failing or running long does not lose the others:
+#   1. decode of a Llama-3-8B-shaped model at batch 1, 8, 64 (tok/s, achieved bandwidth vs copy, and the
+#      KV integrity check's share of a step);
+#   2. a Qwen3-30B-A3B-shaped MoE: the fused MoE op's two forms, and Hearth vs transformers end to end;
+#   3. the Triton kernel tests natively on CUDA;
+#   4. engine correctness tests (transformers as the oracle) with the engine on CUDA.
 #
-# It installs nothing from the network. Packages the device lacks (msgspec, llguidance, xxhash, pyzmq)
-# come as wheels carried in device-wheels/, made here beforehand with:
-#   pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
-#       -d device-wheels msgspec llguidance xxhash pyzmq
-# and passed to the device tool with carry=["device-wheels"].
-set -euo pipefail
+# It installs nothing from the network. Packages the device lacks come as wheels carried in .whl/
+# (ignored by git), made here beforehand with (Python 3.12 wheels):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#       msgspec llguidance pyzmq fastapi starlette pydantic pydantic_core uvicorn httptools redis \
+#       annotated-types typing-inspection annotated-doc
+# and passed to the device tool with carry=[".whl"].
+set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src"
 OUT="${OUT:-/tmp/device-check}"
 mkdir -p "$OUT"
-if [ -d device-wheels ]; then
-  python -m pip install -q --no-index --find-links device-wheels msgspec llguidance xxhash pyzmq
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD/src"
+else
+  export PYTHONPATH="$PWD/src"
 fi
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python -m pytest -q -p no:cacheprovider -m triton tests/test_triton_kernels.py tests/test_attention_backends.py \
-  2>&1 | tee "$OUT/triton-tests.txt"
-python scripts/bench_gpu_decode.py --batch-sizes 1,8,64 --context 1024 --json "$OUT/decode.json" \
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+
+echo "== 1. dense decode"
+timeout 110 python3 scripts/bench_gpu_decode.py --batch-sizes 1,8,64 --context 1024 --json "$OUT/decode.json" \
   2>&1 | tee "$OUT/decode.txt"
+echo "== 2. MoE"
+timeout 190 python3 scripts/bench_gpu_moe.py --json "$OUT/moe.json" 2>&1 | grep -v -E "Loading weights|Writing model" \
+  | tee "$OUT/moe.txt"
+echo "== 3. Triton kernel tests"
+timeout 110 python3 -m pytest -q -p no:cacheprovider -m triton tests/test_triton_kernels.py \
+  tests/test_attention_backends.py 2>&1 | tee "$OUT/triton-tests.txt" | tail -15
+echo "== 4. engine tests on CUDA"
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine_correctness.py tests/test_moe_models.py \
+  tests/test_kv_fp8_engine.py tests/test_moe_op.py 2>&1 | tee "$OUT/engine-tests.txt" | tail -25
+echo "== summary"
+tail -4 "$OUT/decode.txt"; tail -5 "$OUT/moe.txt"; tail -1 "$OUT/triton-tests.txt"; tail -1 "$OUT/engine-tests.txt"

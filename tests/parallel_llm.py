@@ -22,7 +22,8 @@ def main() -> None:
     forever = "--forever" in sys.argv
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for layout in layouts:
-        llm = LLM(model, kv_cache_memory_gib=0.02, **layout)
+        # Every layout on CPU (gloo): the one-rank reference too, so all compare like with like.
+        llm = LLM(model, kv_cache_memory_gib=0.02, device="cpu", **layout)
         worker = llm.engine.worker
         if forever:
             print(json.dumps({"pids": worker.child_pids}), flush=True)

@@ -23,6 +23,17 @@ PAGE_SIZE = 4
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
 
+def _device_for(backend_cls: type[AttentionBackend]) -> str:
+    """Triton kernels run natively on a GPU when there is one (the interpreter on CPU otherwise)."""
+    return "cuda" if backend_cls.name == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def _on_cpu(pool: KVPool) -> KVPool:
+    copy = KVPool(pool.layout, pool.num_pages)
+    copy.storage.copy_(pool.storage.cpu())
+    return copy
+
+
 def test_registry_selects_by_device_and_honours_the_override(monkeypatch):
     assert {"cpu", "torch_ref", "triton"} <= set(available_backends())
     monkeypatch.delenv("HEARTH_ATTENTION_BACKEND", raising=False)
@@ -97,18 +108,20 @@ def test_backend_stores_new_kv_and_attends_like_the_reference(backend_cls, windo
     cpu_kernels.paged_decode_attention_kernel(
         wait=True
     )  # the CPU backend's decode rows take the kernel if it builds
+    device = _device_for(backend_cls)
     torch.manual_seed(0)
-    pool = KVPool(KVLayout(1, KV_HEADS, HEAD_DIM, PAGE_SIZE, torch.float32), 16)
-    pool.storage.normal_()
+    pool = KVPool(KVLayout(1, KV_HEADS, HEAD_DIM, PAGE_SIZE, torch.float32), 16, device=device)
+    pool.storage.copy_(torch.randn(pool.storage.shape))
     step = make_step(MIXED_ROWS, MIXED_PAGES)
     num_tokens = len(step.token_ids)
     q = torch.randn(num_tokens, HEADS, HEAD_DIM)
     k, v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM), torch.randn(num_tokens, KV_HEADS, HEAD_DIM)
     backend: AttentionBackend = backend_cls(
-        device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6, sliding_window=window
+        device=device, page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6, sliding_window=window
     )
     metadata = backend.prepare(step)
-    out = backend.forward(0, q, k, v, pool, metadata, HEAD_DIM**-0.5)
+    out = backend.forward(0, q.to(device), k.to(device), v.to(device), pool, metadata, HEAD_DIM**-0.5).cpu()
+    pool = _on_cpu(pool)
     k_pool, v_pool = pool.layer(0)
     slots = torch.tensor(step.slot_mapping)
     torch.testing.assert_close(k_pool[slots], k, rtol=0, atol=0)
@@ -137,8 +150,11 @@ def test_slots_outside_the_context_never_reach_the_output(backend_cls):
             k_pool[slot], v_pool[slot] = torch.randn(KV_HEADS, HEAD_DIM), torch.randn(KV_HEADS, HEAD_DIM)
     num_tokens = len(step.token_ids)
     q = torch.randn(num_tokens, HEADS, HEAD_DIM)
-    backend = backend_cls(device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6)
-    out = backend.forward(0, q, None, None, pool, backend.prepare(step), HEAD_DIM**-0.5)
+    device = _device_for(backend_cls)
+    device_pool = KVPool(pool.layout, pool.num_pages, device=device)
+    device_pool.storage.copy_(pool.storage)
+    backend = backend_cls(device=device, page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6)
+    out = backend.forward(0, q.to(device), None, None, device_pool, backend.prepare(step), HEAD_DIM**-0.5).cpu()
     assert not out.isnan().any()
     torch.testing.assert_close(
         out.double(), reference_attention(q, pool, step, HEAD_DIM**-0.5, None), rtol=1e-5, atol=1e-5

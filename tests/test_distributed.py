@@ -247,3 +247,12 @@ def test_a_killed_rank_ends_the_deployment_with_an_error(tiny_model_factory):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_more_ranks_than_gpus_is_a_clear_error_before_any_process_starts():
+    from hearth.distributed.executor import check_devices_for_ranks
+
+    check_devices_for_ranks(4, torch.device("cpu"))  # gloo ranks share the CPU
+    too_many = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=f"{too_many} ranks on this node need {too_many} GPUs"):
+        check_devices_for_ranks(too_many, torch.device("cuda"))

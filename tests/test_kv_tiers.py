@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from kv_tier_helpers import RedisServer, fill_page, small_pool, spec_of
+from kv_tier_helpers import fill_page, small_pool, spec_of
 
 from hearth.kv.prefix_keys import page_keys, root_key
 from hearth.kv.tiers import PageFormatError, PageSpec, TierStack, TierUnavailable, decode_page, encode_page
@@ -21,16 +20,6 @@ from hearth.kv.tiers.redis_store import RedisTier
 from hearth.kv.tiers.registry import build_tiers
 
 KEYS = page_keys(root_key("m", "layout"), list(range(64)), 4)  # 16 chained keys
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def page(spec: PageSpec, value: float) -> torch.Tensor:

@@ -6,27 +6,15 @@ engine's answer before any tier was involved."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kv_tier_helpers import RedisServer
 
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 PAGE = 16
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -14,16 +13,6 @@ import pytest
 from kv_tier_helpers import RedisServer
 
 from hearth.server.process import ServerProcess
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def complete(server: ServerProcess, prompt: list[int], **extra) -> dict:

@@ -25,11 +25,14 @@ def random_moe(num_tokens: int, num_experts: int = 6, top_k: int = 2, seed: int 
     return hidden, gate_up, down, weights, ids
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["expert-loop", "grouped-mm"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 40])
-def test_fused_moe_equals_the_token_by_token_sum(num_tokens):
+def test_fused_moe_equals_the_token_by_token_sum(num_tokens, grouped):
+    """Both grouped-GEMM forms (the per-expert loop, and torch._grouped_mm that CUDA uses in bf16)."""
     hidden, gate_up, down, weights, ids = random_moe(num_tokens)
     torch.testing.assert_close(
-        fused_moe(hidden, gate_up, down, weights, ids), moe_reference(hidden, gate_up, down, weights, ids)
+        fused_moe(hidden, gate_up, down, weights, ids, grouped=grouped),
+        moe_reference(hidden, gate_up, down, weights, ids),
     )
 
 
@@ -62,7 +65,8 @@ def test_expert_slices_are_contiguous_balanced_and_cover_every_expert():
         assert max(c for _, c in slices) - min(c for _, c in slices) <= 1
 
 
-def test_expert_parallel_ranks_sum_to_the_whole_layer():
+@pytest.mark.parametrize("grouped", [False, True], ids=["expert-loop", "grouped-mm"])
+def test_expert_parallel_ranks_sum_to_the_whole_layer(grouped):
     """Each EP rank computes only its experts' tokens; the all-reduce (here: a sum) gives the full output."""
     hidden, gate_up, down, weights, ids = random_moe(25, num_experts=7, top_k=3)
     whole = fused_moe(hidden, gate_up, down, weights, ids)
@@ -76,6 +80,7 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer():
             weights,
             ids,
             first_expert=start,
+            grouped=grouped,
         )
     torch.testing.assert_close(partial, whole)
 

@@ -121,12 +121,23 @@ def stop_processes(children: dict[int, subprocess.Popen[bytes]], wait_s: float) 
             process.wait()
 
 
+def check_devices_for_ranks(num_local_ranks: int, device: torch.device) -> None:
+    """One GPU per rank: NCCL refuses two ranks on one device, deep inside the first collective."""
+    if device.type == "cuda" and num_local_ranks > torch.cuda.device_count():
+        raise ValueError(
+            f"{num_local_ranks} ranks on this node need {num_local_ranks} GPUs, found "
+            f"{torch.cuda.device_count()}: lower --tensor-parallel-size/--pipeline-parallel-size, spread the "
+            "ranks over nodes (--nnodes), or run on the CPU (--device cpu)"
+        )
+
+
 class DistributedExecutor:
     """`execute(step) -> StepOutput` over every rank; the engine's `worker`. Other attributes (`model`,
     `dtype`, `device`, `kv_pool`) are rank 0's worker's."""
 
     def __init__(self, config: EngineConfig, spec: WorkerSpec) -> None:
         self.parallel = parallel = ParallelConfig.from_engine_config(config)
+        check_devices_for_ranks(len(parallel.local_ranks), resolve_device(config.device))
         self._stopping = False
         self._fatal_lock = threading.Lock()
         self._children: dict[int, subprocess.Popen[bytes]] = {

@@ -42,7 +42,7 @@ def _load_kv_block(
 
 
 @triton.jit
-def _online_softmax_update(qk, v, m_i, l_i, acc):
+def _online_softmax_update(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold one block of scores `qk` (-inf where not attended) and its values into the running
     max `m_i`, normalizer `l_i` and unnormalized output `acc`."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -50,7 +50,7 @@ def _online_softmax_update(qk, v, m_i, l_i, acc):
     p = tl.exp(qk - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p, v)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -81,6 +81,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -123,18 +124,24 @@ def _paged_attention_kernel(
         if HAS_SCALES:
             k = k * k_scale
             v = v * v_scale
-        qk = tl.dot(q, tl.trans(k)) * scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         attend = (offs_n[None, :] <= query_pos[:, None]) & n_valid[None, :] & m_valid[:, None]
         in_window = (offs_n[None, :] > query_pos[:, None] - sliding_window) | (sliding_window <= 0)
         attend = attend & in_window
         qk = tl.where(attend, qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_update(qk, v, m_i, l_i, acc)
+        m_i, l_i, acc = _online_softmax_update(qk, v, m_i, l_i, acc, DOT_PRECISION)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + (query_start + offs_m)[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
         acc.to(out_ptr.dtype.element_ty),
         mask=m_valid[:, None] & d_valid[None, :],
     )
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    """float32 models get IEEE float32 dots: Triton's default for float32 operands is TF32 on the tensor
+    cores (~1e-3 relative error), which flips greedy tokens against a float32 reference."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def _pow2(n: int, minimum: int = 16) -> int:
@@ -197,6 +204,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=32,
         HAS_SCALES=has_scales,
+        DOT_PRECISION=_dot_precision(q),
     )
     return out
 
@@ -232,6 +240,7 @@ def _decode_split_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -267,9 +276,9 @@ def _decode_split_kernel(
         if HAS_SCALES:
             k = k * k_scale
             v = v * v_scale
-        qk = tl.dot(q, tl.trans(k)) * scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         qk = tl.where(n_valid[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_update(qk, v, m_i, l_i, acc)
+        m_i, l_i, acc = _online_softmax_update(qk, v, m_i, l_i, acc, DOT_PRECISION)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(
         l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))
@@ -395,6 +404,7 @@ def paged_decode(
         HEAD_DIM_PADDED=_pow2(head_dim),
         BLOCK_N=block_n,
         HAS_SCALES=has_scales,
+        DOT_PRECISION=_dot_precision(q),
     )
     _decode_merge_kernel[(num_rows, num_heads)](
         part_out,
