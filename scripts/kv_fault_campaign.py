@@ -1,6 +1,11 @@
 """KV integrity under injected faults: run requests until N faults were injected, judge every answer.
 
     PYTHONPATH=src python scripts/kv_fault_campaign.py --engine hash --target-faults 10000
+    # issue 14's goal in one run (sparse faults, ~1.27M short requests, ~20 min; docs/benchmarks.md):
+    PYTHONPATH=src nice -n 10 python scripts/kv_fault_campaign.py --engine hash --target-faults 10000 \
+        --faults early_free:0.0028,table_swap:0.0014 --round-requests 25000 --max-rounds 1000 \
+        --prompt-len 2 8 --max-tokens 2 --max-num-seqs 256 --num-pages 4000 --max-num-batched-tokens 4096 \
+        --shared-prefixes 0
     PYTHONPATH=src python scripts/kv_fault_campaign.py --engine tiny --target-faults 300 --integrity off
 
 `--engine hash`: the real Engine, scheduler, KV manager, step builder, worker check and recovery, over a
