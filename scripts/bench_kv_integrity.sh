@@ -32,4 +32,24 @@ for pair in $(seq "$pairs"); do
         serve_once "$mode" "$pair"
     done
 done
+python - "$out" <<'PY'
+# Ratios on/off of the medians over the pairs (throughput: on/off, > 1 is faster with integrity on;
+# p99: on/off, > 1 is slower with it on). The goal: throughput ratio >= 0.995, p99 ratio <= 1.005.
+import glob, json, os, statistics, sys
+out = sys.argv[1]
+def med(pattern, key):
+    values = [json.load(open(f))[key] for f in sorted(glob.glob(os.path.join(out, pattern)))]
+    return statistics.median(values) if values else float("nan")
+rows = [("offline", "offline-{}-*.json", "output_throughput_tok_s", None)]
+for conc in ("c16", "c1"):
+    rows.append((f"serve {conc}", f"serve-{conc}-{{}}-*/{{}}.json", "output_throughput", ("p99_tpot_ms", "p99_e2el_ms")))
+print(f"load average now {os.getloadavg()[0]:.1f}")
+for name, pattern, throughput, p99s in rows:
+    on, off = (med(pattern.format(m, m), throughput) for m in ("on", "off"))
+    line = f"{name}: throughput on {on:.1f} / off {off:.1f} = {on / off:.4f}"
+    for key in p99s or ():
+        p_on, p_off = (med(pattern.format(m, m), key) for m in ("on", "off"))
+        line += f"; {key} on {p_on:.2f} / off {p_off:.2f} = {p_on / p_off:.4f}"
+    print(line)
+PY
 echo "done: $out"

@@ -36,26 +36,43 @@ from hearth.kv.manager import KVCacheManager
 from hearth.kv.pool import KVLayout, KVPool
 
 HASH_VOCAB = 1000
-_MULTIPLIER, _MODULUS = 1_000_003, (1 << 61) - 1
+# The "model": a position-weighted sum of the context mod a prime, so a whole batch is hashed in a few
+# tensor ops (the campaign runs hundreds of thousands of requests). Any changed, missing or reordered
+# context token changes the sum, and with it (with probability 1 - 1/HASH_VOCAB) the next token.
+_MULTIPLIER, _MODULUS, _SEED = 1_000_003, (1 << 31) - 1, 7
+_powers: list[int] = [1]
+
+
+def _power(position: int) -> int:
+    while len(_powers) <= position:
+        _powers.append(_powers[-1] * _MULTIPLIER % _MODULUS)
+    return _powers[position]
 
 
 def hash_next(context: Iterable[int]) -> int:
-    value = 7
-    for token in context:
-        value = (value * _MULTIPLIER + token + 1) % _MODULUS
+    value = _SEED
+    for position, token in enumerate(context):
+        value = (value + (token + 1) * _power(position)) % _MODULUS
     return value % HASH_VOCAB
 
 
 def hash_greedy(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(hash_next(tokens))
-    return tokens[len(prompt) :]
+    value = _SEED
+    for position, token in enumerate(prompt):
+        value = (value + (token + 1) * _power(position)) % _MODULUS
+    output: list[int] = []
+    for position in range(len(prompt), len(prompt) + max_tokens):
+        token = value % HASH_VOCAB
+        output.append(token)
+        value = (value + (token + 1) * _power(position)) % _MODULUS
+    return output
 
 
 class HashWorker(Worker):
-    """`Worker.execute` (tag check, cutting failing rows, sampling) over a model that reads the KV cache
-    literally: slot = token id; next token = hash of the context read through the row's page table."""
+    """`Worker.execute` (tag check, cutting failing rows) over a model that reads the KV cache literally:
+    slot = token id; next token = `hash_next` of the context read through the row's page table. Greedy
+    only: the step's answer is that token (no logits, no sampler: what is under test is which pages a row
+    reads, not sampling)."""
 
     def __init__(self, num_pages: int, page_size: int, kv_integrity: bool) -> None:
         self.device = torch.device("cpu")
@@ -68,25 +85,32 @@ class HashWorker(Worker):
         self._generators = {}
         self.model = None  # type: ignore[assignment]
         self._slots = self.kv_pool.storage[0, 0, :, 0, 0]
+        self._powers = torch.zeros(0, dtype=torch.long)
 
-    def forward(self, step: StepInput) -> torch.Tensor:
+    def _run(self, step: StepInput) -> StepOutput:
+        if any(row.draft_token_ids or not row.params.greedy for row in step.sampling):
+            raise ValueError("HashWorker answers greedy rows without drafts only")
         slots = self._slots
         slots[torch.tensor(step.slot_mapping, dtype=torch.long)] = torch.tensor(
             step.token_ids, dtype=torch.float32
         )
+        if not step.logits_indices:
+            return StepOutput([])
         page_size, width = self.kv_pool.page_size, step.page_table_width
-        starts = step.query_start_loc
-        logits = torch.zeros(len(step.logits_indices), HASH_VOCAB)
-        row = 0
-        for out, index in enumerate(step.logits_indices):
-            while starts[row + 1] <= index:
-                row += 1
-            position = step.positions[index]
-            table = step.page_table[row * width : (row + 1) * width]
-            context_slots = [table[p // page_size] * page_size + p % page_size for p in range(position + 1)]
-            context = slots[torch.tensor(context_slots, dtype=torch.long)].long().tolist()
-            logits[out, hash_next(context)] = 1.0
-        return logits
+        index = torch.tensor(step.logits_indices, dtype=torch.long)
+        rows = torch.searchsorted(torch.tensor(step.query_start_loc), index, right=True) - 1
+        last = torch.tensor(step.positions, dtype=torch.long)[index]  # the context is positions 0..last
+        length = int(last.max()) + 1
+        if self._powers.numel() < length:
+            _power(length)
+            self._powers = torch.tensor(_powers, dtype=torch.long)
+        position = torch.arange(length)
+        table = torch.tensor(step.page_table, dtype=torch.long).view(-1, width)[rows]  # [n, width]
+        read = table[:, position // page_size] * page_size + position % page_size  # [n, length] slots
+        tokens = slots[read].long()
+        terms = (tokens + 1) * self._powers[:length] * (position <= last[:, None])
+        answers = (terms.sum(1) + _SEED) % _MODULUS % HASH_VOCAB
+        return StepOutput([[token] for token in answers.tolist()])
 
 
 def hash_engine(
@@ -135,6 +159,7 @@ class Audit:
     (computed from the allocator, in Python) and the rows the worker's check reported."""
 
     inconsistent: set[tuple[int, str]] = field(default_factory=set)  # (step, request id)
+    inconsistent_requests: set[str] = field(default_factory=set)  # every request id in `inconsistent`
     detected: set[tuple[int, str]] = field(default_factory=set)
     steps: int = 0
 
@@ -155,6 +180,7 @@ class Audit:
                 pairs = zip(request.page_ids[:num_pages], request.page_generations[:num_pages], strict=True)
                 if any(generations[page] != tag for page, tag in pairs):
                     self.inconsistent.add((self.steps, request.request_id))
+                    self.inconsistent_requests.add(request.request_id)
             return build(scheduled, *args)
 
         def audited_execute(step: StepInput) -> StepOutput:

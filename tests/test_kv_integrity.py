@@ -310,20 +310,26 @@ class RecordingScheduler:
         self.forgotten.append(request.request_id)
 
 
-def test_a_recompute_that_fails_again_before_any_progress_ends_in_error():
+def test_the_first_failure_is_recomputed_and_the_second_ends_in_error_even_after_progress():
     from hearth.engine.kv_integrity import KVIntegrityPolicy
     from hearth.kv.integrity import PageTagMismatch
 
     scheduler = RecordingScheduler()
     policy = KVIntegrityPolicy(scheduler)  # type: ignore[arg-type]
     request = make_request("r", [1, 2, 3], [4], computed=3, pages=[5])
-    batch = [Row(request, 1)]
+    other = make_request("o", [1, 2], [4], computed=2, pages=[6])
+    batch = [Row(request, 1), Row(other, 1)]
     mismatch = [PageTagMismatch(0, 0, 5, 105, 7)]
     assert policy.handle(batch, mismatch) == [] and scheduler.recomputed == ["r"]
-    request.token_ids.append(9)  # the recompute got past the failure: a later failure is a new incident
-    assert policy.handle(batch, mismatch) == [] and scheduler.recomputed == ["r", "r"]
-    [(failed, message)] = policy.handle(batch, mismatch)  # failed again with no new token: it persists
-    assert failed is request and "3 time(s)" in message and "expected tag 105, found 7" in message
+    request.token_ids.append(9)  # progress after the recompute does not earn another one
+    [(failed, message)] = policy.handle(batch, mismatch)
+    assert failed is request and "2 time(s)" in message and "expected tag 105, found 7" in message
+    assert scheduler.recomputed == ["r"] and scheduler.forgotten == ["r"]
+    # Counted per request: another request's first failure is still recomputed.
+    assert policy.handle(batch, [PageTagMismatch(1, 0, 6, 106, 8)]) == [] and scheduler.recomputed == [
+        "r",
+        "o",
+    ]
     assert policy.num_failures == 3 and policy.num_recomputed == 2
 
 
@@ -383,5 +389,8 @@ def test_tiny_model_under_faults_never_returns_a_wrong_token_and_does_without_th
         if integrity:
             assert faulty.integrity.num_failures > 0
     assert verdicts[True].num_wrong == 0, verdicts[True].wrong_request_ids
-    assert verdicts[True].num_correct >= 0.8 * len(prompts)
+    # A dense rate (about one fault per request): a request's second failure ends it, so many end in
+    # "error"; the point here is that none returns a wrong token and that most still finish correctly.
+    assert verdicts[True].num_correct + verdicts[True].num_error == len(prompts)
+    assert verdicts[True].num_correct >= 0.5 * len(prompts)
     assert verdicts[False].num_wrong > 0

@@ -6,10 +6,9 @@ runs, so they neither read another request's KV nor write into pages that now be
 Engine side, `KVIntegrityPolicy`: each failing request is logged (request id, page id, expected and found
 tag) and counted; with `recompute` (the default) a failure sends it back through the preemption path (its
 pages released, the suspect ones never reused from the prefix cache) to be recomputed from its tokens so
-far. A second failure ends it with finish_reason "error" when the recompute itself failed (the check fails
-again before the request got past the point of the first failure: whatever corrupts its pages persists),
-or when it has failed `MAX_FAILURES` times in all; a later, independent failure is recomputed again. With
-`abort` the first failure ends it. The failing step's tokens are never returned.
+far. Its second failure, whenever it happens, ends it with finish_reason "error" (the issue's rule: a
+request is recomputed at most once, so a fault that persists cannot make it loop). With `abort` the first
+failure ends it. The failing step's tokens are never returned.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ logger = logging.getLogger("hearth.integrity")
 
 KVIntegrityAction = Literal["recompute", "abort"]  # EngineConfig.KV_INTEGRITY_ACTIONS
 KV_INTEGRITY_ERROR = "kv_integrity_error"  # the error code clients see (OpenAI error object, `code`)
-MAX_FAILURES = 4  # failures of one request, each after progress, before it is failed anyway
+MAX_FAILURES = 2  # a request's failures: the first is recomputed, this many end it with an error
 
 
 def without_rows(step: StepInput, rows: Iterable[int]) -> tuple[StepInput, list[int]]:
@@ -143,14 +142,7 @@ class KVIntegrityPolicy:
                     entry.found_tag,
                 )
             suspect = [entry.page_index for entry in entries]
-            # A recompute that has not produced a new token yet failed again: the fault persists.
-            recompute_failed = request.num_tokens <= request.kv_integrity_failed_at_num_tokens
-            request.kv_integrity_failed_at_num_tokens = request.num_tokens
-            if (
-                self.action == "recompute"
-                and not recompute_failed
-                and request.num_kv_integrity_failures < MAX_FAILURES
-            ):
+            if self.action == "recompute" and request.num_kv_integrity_failures < MAX_FAILURES:
                 self.scheduler.recompute(request, suspect)
                 self.num_recomputed += 1
                 logger.warning("KV integrity: request %s is recomputed from its tokens", request.request_id)

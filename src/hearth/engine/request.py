@@ -52,7 +52,6 @@ class Request:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     num_kv_integrity_failures: int = 0  # steps whose page tags did not match (hearth.engine.kv_integrity)
-    kv_integrity_failed_at_num_tokens: int = 0  # num_tokens at the last such failure
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it (stop strings end it on the API side)
     error: str | None = None

@@ -191,15 +191,19 @@ class StepInputBuilder:
                     )
                 )
         page_table: list[int] = []
-        for pages in row_pages:
-            page_table.extend(pages)
-            if len(pages) < width:
-                page_table.extend([0] * (width - len(pages)))
         page_tags: list[int] = []
-        for tags in row_tags:
-            page_tags.extend(tags)
-            if len(tags) < width:
-                page_tags.extend([PADDING_TAG] * (width - len(tags)))
+        if check_tags:  # the expected tags laid out in the same pass as the page table
+            for pages, tags in zip(row_pages, row_tags, strict=True):
+                page_table.extend(pages)
+                page_tags.extend(tags)
+                if len(pages) < width:
+                    page_table.extend([0] * (width - len(pages)))
+                    page_tags.extend([PADDING_TAG] * (width - len(pages)))
+        else:
+            for pages in row_pages:
+                page_table.extend(pages)
+                if len(pages) < width:
+                    page_table.extend([0] * (width - len(pages)))
         step = StepInput(
             token_ids=token_ids,
             positions=positions,
