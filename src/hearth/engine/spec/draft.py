@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from hearth.engine.config import EngineConfig
+from hearth.engine.spec.paged_rows import decode_rows_first, proposer_step_input
 from hearth.engine.spec.proposer import ProposalRequest, Proposer
 from hearth.engine.spec.registry import register_proposer
-from hearth.engine.step_input import StepInput
 from hearth.kv.manager import KVCacheManager
 from hearth.model.config import ModelConfig, ModelLoadError
 
@@ -104,48 +104,10 @@ class DraftModelProposer(Proposer):
     def _forward(self, rows: list[tuple[DraftSequence, list[int]]]) -> list[int]:
         """One draft forward over the rows (each feeds its tokens after its computed ones); the greedy next token
         of each row. One-token rows go first: the attention backend takes them as one decode batch."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]) != 1)
-        page_size = self.page_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        row_pages: list[list[int]] = []
-        logits_indices: list[int] = []
-        num_decode_rows = 0
-        for i in order:
-            sequence, feed = rows[i]
-            start = sequence.num_computed_tokens
-            end = start + len(feed)
-            if len(feed) == 1 and num_decode_rows == len(seq_lens):
-                num_decode_rows += 1
-            token_ids.extend(feed)
-            positions.extend(range(start, end))
-            page_ids = sequence.page_ids
-            slot_mapping.extend(
-                page_ids[p // page_size] * page_size + p % page_size for p in range(start, end)
-            )
-            query_start_loc.append(len(token_ids))
-            seq_lens.append(end)
-            row_pages.append(page_ids[: -(-end // page_size)])
-            logits_indices.append(len(token_ids) - 1)
+        order = decode_rows_first([feed for _, feed in rows])
+        step = proposer_step_input(rows, order, self.page_size)
+        for sequence, feed in rows:
             sequence.token_ids.extend(feed)
-            sequence.num_computed_tokens = end
-        width = max(len(pages) for pages in row_pages)
-        page_table = [p for pages in row_pages for p in pages + [0] * (width - len(pages))]
-        step = StepInput(
-            token_ids=token_ids,
-            positions=positions,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            num_decode_rows=num_decode_rows,
-            page_table=page_table,
-            page_table_width=width,
-            slot_mapping=slot_mapping,
-            logits_indices=logits_indices,
-            sampling=[],
-        )
         next_tokens = self.worker.forward(step)[:, : self.vocab_size].argmax(dim=-1).tolist()
         out = [0] * len(rows)
         for position, i in enumerate(order):

@@ -27,6 +27,7 @@ import torch
 from hearth.engine.config import EngineConfig
 from hearth.engine.request import RequestStatus
 from hearth.engine.scheduler import ScheduledRequest
+from hearth.engine.spec.paged_rows import decode_rows_first, proposer_step_input
 from hearth.engine.spec.proposer import ProposalRequest, Proposer
 from hearth.engine.spec.registry import register_proposer
 from hearth.engine.step_input import StepInput
@@ -221,52 +222,14 @@ class Eagle3Proposer(Proposer):
         """One head step over the rows (each feeds its tokens after its computed ones with their hidden
         vectors); each row's guess (a target token id) and pre-norm output at its last position. One-token
         rows go first: the attention backend takes them as one decode batch."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]) != 1)
-        page_size = self.page_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        row_pages: list[list[int]] = []
-        logits_indices: list[int] = []
-        hiddens: list[torch.Tensor] = []
-        num_decode_rows = 0
-        for i in order:
-            sequence, feed, hidden = rows[i]
-            start = sequence.num_computed_tokens
-            end = start + len(feed)
-            if len(feed) == 1 and num_decode_rows == len(seq_lens):
-                num_decode_rows += 1
-            token_ids.extend(feed)
-            positions.extend(range(start, end))
-            page_ids = sequence.page_ids
-            slot_mapping.extend(
-                page_ids[p // page_size] * page_size + p % page_size for p in range(start, end)
-            )
-            query_start_loc.append(len(token_ids))
-            seq_lens.append(end)
-            row_pages.append(page_ids[: -(-end // page_size)])
-            logits_indices.append(len(token_ids) - 1)
-            hiddens.append(hidden)
-            sequence.num_computed_tokens = end
-        width = max(len(pages) for pages in row_pages)
-        page_table = [p for pages in row_pages for p in pages + [0] * (width - len(pages))]
-        step = StepInput(
-            token_ids=token_ids,
-            positions=positions,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            num_decode_rows=num_decode_rows,
-            page_table=page_table,
-            page_table_width=width,
-            slot_mapping=slot_mapping,
-            logits_indices=logits_indices,
-            sampling=[],
-        )
+        order = decode_rows_first([feed for _, feed, _ in rows])
+        step = proposer_step_input([(sequence, feed) for sequence, feed, _ in rows], order, self.page_size)
+        hiddens = [rows[i][2] for i in order]
         device = self.head.d2t.device
-        ids = torch.tensor(token_ids + positions + logits_indices, dtype=torch.long, device=device)
-        n = len(token_ids)
+        ids = torch.tensor(
+            step.token_ids + step.positions + step.logits_indices, dtype=torch.long, device=device
+        )
+        n = len(step.token_ids)
         ctx = AttentionContext(self.attention, self.attention.prepare(step), self.kv_pool)
         hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
         guesses, outputs = self.head(ids[:n], ids[n : 2 * n], hidden, ctx, ids[2 * n :])
