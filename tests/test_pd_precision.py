@@ -101,8 +101,10 @@ def test_bf16_prefill_into_an_fp8_int4_decode_server(tmp_path: Path) -> None:
             assert abs(probabilities[0] - probabilities[1]) < 0.05, (prompt, probabilities)
             again = complete(router, prompt)  # the decode server's cached FP8 pages are the converted ones
             assert again["tokens"] == got["tokens"]
-            # to float32 rounding: the CPU kernels' reduction order may differ between runs
-            assert again["token_logprobs"] == pytest.approx(got["token_logprobs"], abs=1e-4)
+            # Close, not equal: the repeat is a prefix-cache hit on both servers, so its attention reads the
+            # prompt's keys and values as stored (BF16 on prefill, FP8 on decode), where the first request's
+            # prefill attended to its chunk's unrounded float32 ones (seen: up to 0.044 apart).
+            assert again["token_logprobs"] == pytest.approx(got["token_logprobs"], abs=0.1)
         assert metric(decode, "hearth_kv_transfer_failures_total") == 0
         assert metric(decode, "hearth_kv_recomputed_tokens_total") == 0
     finally:
