@@ -308,9 +308,11 @@ def test_prefill_killed_mid_transfer_every_request_still_completes(deployment: d
         doomed.wait_ready(timeout_s=900)
         router = Router([doomed.url], [decode.url], root / "router-doomed.log")
         try:
+            # Enough prompt tokens for many prefill steps (~48 x 300 over a 2,048-token step budget), so the
+            # kill below lands while most transfers are still ahead, however fast the machine and transport.
             bodies = [
-                {"prompt": f"{i} long prompt for the doomed prefill " * 25, "max_tokens": 6, "temperature": 0}
-                for i in range(24)
+                {"prompt": f"{i} long prompt for the doomed prefill " * 40, "max_tokens": 6, "temperature": 0}
+                for i in range(48)
             ]
             failures_before = metric(decode.url, "hearth_kv_transfer_failures_total")
 
