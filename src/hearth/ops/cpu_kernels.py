@@ -37,6 +37,7 @@ _SOURCES = [
         "rms_norm.cpp",
         "rotary_write_kv.cpp",
         "int4_skinny_linear.cpp",
+        "page_tags.cpp",
     )
 ]
 # Vectorized float reductions need reassociation; finite-math is not assumed (masks use -inf).
@@ -61,6 +62,7 @@ _paged_decode_attention_fp8: Callable[..., object] | None = None
 _rotary_write_kv_fp8: Callable[..., object] | None = None
 _int4_skinny_linear: Callable[..., object] | None = None
 _paged_decode_attention_bf16: Callable[..., object] | None = None
+_check_page_tags: Callable[..., list[int]] | None = None
 _build_thread: threading.Thread | None = None
 
 
@@ -129,7 +131,7 @@ def _build() -> None:
         _rotary_write_kv, \
         _paged_decode_attention_fp8, \
         _rotary_write_kv_fp8
-    global _int4_skinny_linear, _paged_decode_attention_bf16
+    global _int4_skinny_linear, _paged_decode_attention_bf16, _check_page_tags
     try:
         from torch.utils.cpp_extension import load
 
@@ -154,6 +156,7 @@ def _build() -> None:
     _rotary_write_kv_fp8 = module.rotary_write_kv_fp8
     _int4_skinny_linear = module.int4_skinny_linear
     _paged_decode_attention_bf16 = module.paged_decode_attention_bf16
+    _check_page_tags = module.check_page_tags
     logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm, rotary + KV write)")
 
 
@@ -216,3 +219,9 @@ def paged_decode_attention_bf16_kernel() -> Callable[..., object] | None:
     """`paged_decode_attention_bf16(q, k_pool, v_pool, page_table, lens, firsts, page_size, scale)`: float32
     queries over bfloat16 pools read in place, once built; else None."""
     return _paged_decode_attention_bf16
+
+
+def check_page_tags_kernel() -> Callable[..., list[int]] | None:
+    """`check_page_tags(pool_tags, page_table, expected_tags, padding_tag) -> [flat index, ...]` over the
+    step's int lists (the KV integrity check, `hearth.kv.integrity`) once built; else None."""
+    return _check_page_tags

@@ -22,6 +22,8 @@ torch::Tensor rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tenso
                               torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slot_mapping);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   std::optional<torch::Tensor> residual);
+PyObject* check_page_tags_lists(const at::Tensor& pool_tags, PyObject* page_table, PyObject* expected,
+                                int64_t padding_tag);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU, float32)");
@@ -42,4 +44,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("int8_activations") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows, optionally after adding a residual: (out, x + residual)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
+  m.def(
+      "check_page_tags",
+      [](const torch::Tensor& pool_tags, const pybind11::list& page_table, const pybind11::list& expected,
+         int64_t padding_tag) {
+        PyObject* bad = check_page_tags_lists(pool_tags, page_table.ptr(), expected.ptr(), padding_tag);
+        if (bad == nullptr) throw pybind11::error_already_set();
+        return pybind11::reinterpret_steal<pybind11::list>(bad);
+      },
+      "KV integrity: flat indices of the page table entries whose page lacks the expected tag (CPU, int lists)");
 }
