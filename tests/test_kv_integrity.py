@@ -28,6 +28,7 @@ from hearth.kv.allocator import PageAllocator
 from hearth.kv.faults import KVFaultInjector, parse_faults
 from hearth.kv.integrity import PADDING_TAG, BatchedPageTagCheck, NoPageTagCheck
 from hearth.kv.manager import KVCacheManager
+from hearth.ops import cpu_kernels
 
 PAGE_SIZE = 4
 
@@ -74,10 +75,23 @@ def check(step, tags: torch.Tensor):
     return BatchedPageTagCheck().check(tags, step.page_table, step.page_table_width, step.page_tags)
 
 
+@pytest.fixture(params=["numpy", "compiled"])
+def check_path(request, monkeypatch):
+    """Each check test runs on both CPU implementations: the compiled call, and NumPy (before the kernels are
+    built, or with HEARTH_CPU_KERNELS=0)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(cpu_kernels, "_check_page_tags", None)
+    else:
+        cpu_kernels.paged_decode_attention_kernel(wait=True)
+        if cpu_kernels.check_page_tags_kernel() is None:
+            pytest.skip("no C++ toolchain for torch extensions here")
+    return request.param
+
+
 # ---- the batched check --------------------------------------------------------------------------------
 
 
-def test_matching_tables_pass_and_padding_is_never_compared():
+def test_matching_tables_pass_and_padding_is_never_compared(check_path):
     batch = mixed_batch()
     step = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build(batch)
     assert PADDING_TAG in step.page_tags  # the decode row's table is padded to the chunk's width
@@ -93,7 +107,7 @@ def test_matching_tables_pass_and_padding_is_never_compared():
         (3, 1, "the page a row's drafts are verified in"),
     ],
 )
-def test_a_reused_page_fails_exactly_its_row(row, page_index, what):
+def test_a_reused_page_fails_exactly_its_row(row, page_index, what, check_path):
     batch = mixed_batch()
     step = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build(batch)
     tags = pool_tags_for(batch)
@@ -104,7 +118,7 @@ def test_a_reused_page_fails_exactly_its_row(row, page_index, what):
     assert (mismatch.expected_tag, mismatch.found_tag) == (100 + page, 999)
 
 
-def test_swapped_entries_are_caught_because_no_two_allocations_share_a_tag():
+def test_swapped_entries_are_caught_because_no_two_allocations_share_a_tag(check_path):
     allocator = PageAllocator(4)
     pages = [allocator.allocate() for _ in range(3)]
     request = make_request("r", list(range(10)), [], computed=9, pages=pages)
@@ -116,7 +130,7 @@ def test_swapped_entries_are_caught_because_no_two_allocations_share_a_tag():
     assert sorted(m.page_index for m in check(step, tags)) == [0, 2]
 
 
-def test_the_no_op_tracker_compares_nothing():
+def test_the_no_op_tracker_compares_nothing(check_path):
     batch = mixed_batch()
     step = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build(batch)
     assert (
@@ -125,6 +139,46 @@ def test_the_no_op_tracker_compares_nothing():
     unchecked = StepInputBuilder(PAGE_SIZE).build(batch)
     assert unchecked.page_tags == []
     assert BatchedPageTagCheck().check(torch.zeros(16, dtype=torch.int64), unchecked.page_table, 3, []) == []
+
+
+def test_both_implementations_report_the_same_entries_on_random_tables():
+    """The compiled check against the NumPy one: random tables with padding, reused and swapped pages."""
+    cpu_kernels.paged_decode_attention_kernel(wait=True)
+    kernel = cpu_kernels.check_page_tags_kernel()
+    if kernel is None:
+        pytest.skip("no C++ toolchain for torch extensions here")
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        num_pages, rows, width = 64, 1 + trial % 9, 1 + trial % 13
+        pool = torch.randint(1, 10_000, (num_pages,), generator=generator)
+        table = torch.randint(0, num_pages, (rows, width), generator=generator)
+        expected = pool[table].clone()
+        lengths = torch.randint(1, width + 1, (rows,), generator=generator)
+        padding = torch.arange(width)[None, :] >= lengths[:, None]
+        expected[padding] = PADDING_TAG
+        table[padding] = 0
+        wrong = torch.rand(rows, width, generator=generator) < 0.05
+        expected[wrong & ~padding] += 1  # reused since the request recorded it
+        page_table, tags = table.flatten().tolist(), expected.flatten().tolist()
+        compiled = BatchedPageTagCheck().check(pool, page_table, width, tags)
+        cpu_kernels._check_page_tags = None
+        try:
+            reference = BatchedPageTagCheck().check(pool, page_table, width, tags)
+        finally:
+            cpu_kernels._check_page_tags = kernel
+        assert compiled == reference
+        assert len(compiled) == int((wrong & ~padding).sum())
+
+
+def test_the_compiled_check_reports_an_id_outside_the_pool_without_reading_it(check_path):
+    if check_path == "numpy":
+        pytest.skip("the NumPy version raises IndexError: only the compiled one names the row")
+    pool = torch.tensor([5, 6, 7], dtype=torch.int64)
+    [mismatch] = BatchedPageTagCheck().check(pool, [0, 1, 2, 0, 9, 2], 3, [5, 6, 7, 5, 8, PADDING_TAG])
+    assert (mismatch.row, mismatch.page_index, mismatch.page_id) == (1, 1, 9)
+    assert (mismatch.expected_tag, mismatch.found_tag) == (8, PADDING_TAG)
+    with pytest.raises(TypeError):  # the lists must hold ints
+        cpu_kernels.check_page_tags_kernel()(pool, [0, "1"], [5, 6], PADDING_TAG)
 
 
 # ---- cutting failing rows out of a step ---------------------------------------------------------------
