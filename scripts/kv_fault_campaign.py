@@ -56,6 +56,7 @@ from hearth.engine.sampling_params import SamplingParams  # noqa: E402
 from hearth.engine.worker import kv_layout_for  # noqa: E402
 from hearth.kv.faults import KVFaultInjector, parse_faults  # noqa: E402
 from hearth.model.config import ModelConfig  # noqa: E402
+from hearth.ops import cpu_kernels  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -169,6 +170,8 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)  # small tensor ops: thread hand-offs would cost more than they save
     logging.getLogger("hearth.integrity").setLevel(logging.CRITICAL)  # thousands of expected mismatches
+    # The check a CPU server runs once its kernels are loaded (the compiled one), not the NumPy stand-in.
+    cpu_kernels.paged_decode_attention_kernel(wait=True)
 
     engine, reference_engine = make_engines(args)
     injector = inject_faults(engine, parse_faults(args.faults), seed=args.seed)
@@ -304,6 +307,7 @@ def summarize(
     victims = {rid for fault in injector.injected for rid in fault.request_ids}
     result = {
         "engine": args.engine,
+        "check": "compiled" if cpu_kernels.check_page_tags_kernel() is not None else "numpy",
         "faults_spec": args.faults,
         "integrity": args.integrity,
         "action": args.action,

@@ -111,7 +111,10 @@ def main() -> None:
     in_loop_ms = statistics.median(check_in_loop_s) * 1e3
     paired, low, high = median_with_interval(ratios)
     cpu_paired, cpu_low, cpu_high = median_with_interval(cpu_ratios)
-    on_cpu_ms, off_cpu_ms = statistics.median(cpu_times[True]) * 1e3, statistics.median(cpu_times[False]) * 1e3
+    on_cpu_ms, off_cpu_ms = (
+        statistics.median(cpu_times[True]) * 1e3,
+        statistics.median(cpu_times[False]) * 1e3,
+    )
     tags_ms = max(0.0, statistics.median(build_s[True]) - statistics.median(build_s[False])) * 1e3
     work_ms = in_loop_ms + tags_ms
     compiled = cpu_kernels.check_page_tags_kernel() is not None
