@@ -71,7 +71,7 @@ class NoPageTagCheck:
 
 
 class BatchedPageTagCheck:
-    """One vectorized comparison per step: `pool_tags[page_table] != expected` over the whole batch.
+    """One batched comparison per step, one call over the whole step: `pool_tags[page_table] != expected`.
 
     On the CPU, one compiled call (`cpu_kernels.check_page_tags_kernel`) walks the step's two int lists and
     reads the pool's tags in place. The check runs right after the previous step's forward has evicted
