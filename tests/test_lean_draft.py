@@ -11,7 +11,7 @@ import torch
 from tiny_models import make_tiny_model
 
 from hearth import LLM
-from hearth.engine.spec.lean_draft import LeanDraftRunner
+from hearth.engine.spec.lean_draft import CONTEXT_WINDOW_TOKENS, LeanDraftRunner
 from hearth.engine.spec.proposer import ProposalRequest
 
 
@@ -97,10 +97,12 @@ def test_draft_proposer_takes_the_lean_chain_for_small_batches(draft_dir, tmp_pa
     proposals = proposer.propose([ProposalRequest("a", tokens, 20, 3)])
     assert proposer.lean is not None and "a" in proposer._lean_sequences
     assert proposals == [transformers_greedy(draft_dir, tokens, 3)]
-    # A batch over the limit takes the paged path, which proposes the same tokens.
-    batch = [ProposalRequest(f"r{i}", prompt(20 + i, seed=i), 20 + i, 3) for i in range(5)]
+    # A batch over the limit takes the paged path, which proposes the same tokens (over the same window
+    # of the last CONTEXT_WINDOW_TOKENS: these prompts are longer).
+    batch = [ProposalRequest(f"r{i}", prompt(140 + i, seed=i), 140 + i, 3) for i in range(5)]
     paged = proposer.propose(batch)
     assert not any(f"r{i}" in proposer._lean_sequences for i in range(5))
+    assert proposer._sequences["r0"].offset == 140 - CONTEXT_WINDOW_TOKENS > 0
     assert paged == [proposer.lean.propose(proposer.lean.new_sequence(), r.token_ids, 3) for r in batch]
     proposer.request_finished("a")
     assert "a" not in proposer._lean_sequences

@@ -5,7 +5,9 @@ in the same process, and a `KVCacheManager` of its own (no prefix caching) for i
 draft KV is kept in step with the target lazily: before proposing, the draft compares the tokens its KV
 holds with the request's, truncates at the first difference (a rejected draft, or nothing yet), and
 computes the rest in one catch-up row (the whole prompt the first time) whose last logits give the first
-proposal; K-1 one-token steps give the others. A greedy proposal is a one-hot proposal distribution, which
+proposal; K-1 one-token steps give the others. The draft sees a request's tokens from its last
+`CONTEXT_WINDOW_TOKENS` at the first proposal on (`lean_draft`: as good a predictor on tool calls, at a
+fraction of the catch-up). A greedy proposal is a one-hot proposal distribution, which
 is what the rejection sampler assumes.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from hearth.engine.config import EngineConfig
-from hearth.engine.spec.lean_draft import LeanDraftRunner, LeanSequence
+from hearth.engine.spec.lean_draft import CONTEXT_WINDOW_TOKENS, LeanDraftRunner, LeanSequence
 from hearth.engine.spec.paged_rows import decode_rows_first, proposer_step_input
 from hearth.engine.spec.proposer import ProposalRequest, Proposer
 from hearth.engine.spec.registry import register_proposer
@@ -45,6 +47,7 @@ class DraftSequence:
     cached_page_count: int = 0
     page_keys: list[bytes] = field(default_factory=list)
     prefix_root: bytes = b""
+    offset: int = -1  # first token of the request the draft sees (`CONTEXT_WINDOW_TOKENS`); -1: not yet set
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -60,6 +63,7 @@ class DraftModelProposer(Proposer):
         self.vocab_size = vocab_size  # proposals stay within the target's sampled vocabulary
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=False)
         self._sequences: dict[str, DraftSequence] = {}
+        self.context_window = CONTEXT_WINDOW_TOKENS  # both paths see the same tokens, so propose alike
         self.lean: LeanDraftRunner | None = None  # built once the compiled kernels are loaded
         self._try_lean = lean and worker.device.type == "cpu"
         self._lean_sequences: dict[str, LeanSequence] = {}
@@ -73,7 +77,7 @@ class DraftModelProposer(Proposer):
     def propose(self, batch: list[ProposalRequest]) -> list[list[int]]:
         if self._try_lean and self.lean is None and LeanDraftRunner.kernels_ready():
             self._try_lean = False
-            self.lean = LeanDraftRunner.build(self.worker.model, self.vocab_size)
+            self.lean = LeanDraftRunner.build(self.worker.model, self.vocab_size, self.context_window)
             logger.info("draft model: lean chain for batches of <= %d: %s", LEAN_MAX_ROWS, self.lean is not None)
         lean = self.lean
         if lean is not None and len(batch) <= LEAN_MAX_ROWS:
@@ -90,7 +94,9 @@ class DraftModelProposer(Proposer):
         wanted = {r.request_id for r in batch}
         for index, request in enumerate(batch):
             sequence = self._sequences.setdefault(request.request_id, DraftSequence())
-            feed = self._reconcile(sequence, request.token_ids)
+            if sequence.offset < 0:
+                sequence.offset = max(0, len(request.token_ids) - self.context_window)
+            feed = self._reconcile(sequence, request.token_ids[sequence.offset :])
             if not self.kv.allocate_slots(sequence, len(feed) + request.num_tokens - 1):
                 self._free_others(wanted)  # requests not proposed for now (preempted, waiting) give way
                 if not self.kv.allocate_slots(sequence, len(feed) + request.num_tokens - 1):

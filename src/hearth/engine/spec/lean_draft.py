@@ -139,7 +139,9 @@ class LeanDraftRunner:
         )
 
     @classmethod
-    def build(cls, model: Any, vocab_size: int) -> LeanDraftRunner | None:
+    def build(
+        cls, model: Any, vocab_size: int, context_window: int = CONTEXT_WINDOW_TOKENS
+    ) -> LeanDraftRunner | None:
         """The runner for `model`, or None where it is not supported (see the module docstring) or the
         kernels are not loaded yet (`kernels_ready`)."""
         from hearth.model.decoder import CausalLM
@@ -163,7 +165,7 @@ class LeanDraftRunner:
             or not cls.kernels_ready()
         ):
             return None
-        return cls(model, vocab_size)
+        return cls(model, vocab_size, context_window)
 
     def new_sequence(self) -> LeanSequence:
         return LeanSequence()
