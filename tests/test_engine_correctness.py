@@ -137,3 +137,23 @@ def test_mistral_sliding_window_matches_transformers(tiny_model_factory):
     assert_matches_hf(
         model_dir, [random_prompt(21, seed=8), random_prompt(5, seed=9)], max_tokens=16, page_size=4
     )
+
+
+def test_last_layer_finishes_only_the_sampled_rows_of_a_prefill(tiny_llama):
+    """The last layer's MLP runs for the rows that are sampled (one per finished prompt), not for every
+    prompt token, and the tokens still equal transformers'; decode steps keep every row."""
+    prompts = [random_prompt(n, seed=n) for n in (9, 30, 17)]
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=40)
+    model = llm.engine.worker.model
+    mlp_rows: list[int] = []
+    hook = model.model.layers[-1].mlp.register_forward_pre_hook(lambda _m, args: mlp_rows.append(args[0].shape[0]))
+    try:
+        results = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
+    finally:
+        hook.remove()
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy(tiny_llama, prompt, 6)
+    # 56 prompt tokens through a 40-token budget: a first chunk that finishes two prompts and starts the
+    # third (2 sampled rows), the rest of the third (1 row plus two decode rows); then 3-row decode steps.
+    assert max(mlp_rows) == 3
+    assert mlp_rows[0] == 2

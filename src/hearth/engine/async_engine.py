@@ -374,15 +374,19 @@ def _core_environment() -> dict[str, str]:
 
 # Keep the core's RSS flat under a long mixed load (issue 19: x1.7-1.8 after warm-up without these).
 # glibc raises its mmap threshold after each large free until activations of every batch size live in
-# the heap, fragmented and never returned; a fixed threshold sends them back to the OS when freed, and
-# two arenas bound the per-thread heaps OpenMP threads would each grow. oneDNN keeps a primitive (JIT code
-# and scratch memory) per matmul shape; `hearth.ops.row_buckets` pads row counts to a few dozen bucket
-# sizes, so its cache must hold all of them (buckets x the model's distinct weight shapes, a few hundred):
-# at 64 it thrashed, rebuilding primitives every step, which was slower and grew RSS (833 -> 1112 MB over
-# 3 passes of 120 shapes, flat at 1024). Each can be overridden from the environment.
+# the heap, fragmented and never returned; a fixed threshold stops that, and two arenas bound the
+# per-thread heaps OpenMP threads would each grow. The threshold is 64 MiB, not lower: every block
+# above it is a fresh mmap, page-faulted in and zeroed on each use, and at 1 MiB that was most of a
+# prefill's activations (a 2,048-token step of the 40M bench model 1.5x slower, served c16 throughput
+# -20%); with activations bucketed by `row_buckets` the heap's blocks repeat and RSS stays flat.
+# oneDNN keeps a primitive (JIT code and scratch memory) per matmul shape; `hearth.ops.row_buckets` pads
+# row counts to a few dozen bucket sizes, so its cache must hold all of them (buckets x the model's
+# distinct weight shapes, a few hundred): at 64 it thrashed, rebuilding primitives every step, which was
+# slower and grew RSS (833 -> 1112 MB over 3 passes of 120 shapes, flat at 1024). Each can be overridden
+# from the environment.
 CORE_MEMORY_ENVIRONMENT = {
     "MALLOC_ARENA_MAX": "2",
-    "MALLOC_MMAP_THRESHOLD_": str(1024 * 1024),
+    "MALLOC_MMAP_THRESHOLD_": str(64 * 1024 * 1024),
     "MALLOC_TRIM_THRESHOLD_": str(4 * 1024 * 1024),
     "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024",
 }

@@ -192,10 +192,15 @@ class CausalLM(nn.Module):
         first = model.first_layer
         aux_layers = self.aux_hidden_layers
         captured: dict[int, torch.Tensor] = {}
+        last_rows = self._last_layer_rows(logits_indices, token_ids.shape[0])
         for index in range(first, model.end_layer):
             if aux_layers and index in aux_layers:  # a copy: the fused norms update the stream in place
                 captured[index] = hidden.clone() if residual is None else hidden + residual
-            hidden, residual = model.layers[index](hidden, residual, cos, sin, kv_pool.layer(index - first), ctx)
+            layer, layer_kv = model.layers[index], kv_pool.layer(index - first)
+            if last_rows is not None and index == model.end_layer - 1:
+                hidden, residual = layer(hidden, residual, cos, sin, layer_kv, ctx, rows=last_rows)
+            else:
+                hidden, residual = layer(hidden, residual, cos, sin, layer_kv, ctx)
         if aux_layers:
             if model.end_layer in aux_layers:
                 captured[model.end_layer] = hidden if residual is None else hidden + residual
@@ -204,10 +209,22 @@ class CausalLM(nn.Module):
             # One tensor, not two: the next layer's norm needs only the sum, the same add it would do.
             send_to_next_stage(hidden if residual is None else hidden + residual)
             return None
-        hidden = hidden[logits_indices]
-        hidden = (
-            model.norm(hidden)
-            if residual is None
-            else model.norm.add_and_norm(hidden, residual[logits_indices])[0]
-        )
+        if last_rows is None:
+            hidden = hidden[logits_indices]
+            residual = None if residual is None else residual[logits_indices]
+        hidden = model.norm(hidden) if residual is None else model.norm.add_and_norm(hidden, residual)[0]
         return self._lm_head(hidden).float()
+
+    def _last_layer_rows(self, logits_indices: torch.Tensor, num_rows: int) -> torch.Tensor | None:
+        """The rows the last layer must finish, when it may skip the others: in a prefill most rows only
+        write KV, so the last layer's MLP (most of a layer's work) runs for the sampled rows alone. None
+        where every row is needed: other stages, a captured final stream (EAGLE-3), decode-only steps,
+        and layer classes with a forward of their own."""
+        model = self.model
+        if not model.is_last_stage or logits_indices.shape[0] >= num_rows:
+            return None
+        if self.aux_hidden_layers and model.end_layer in self.aux_hidden_layers:
+            return None
+        if type(model.layers[model.end_layer - 1]).forward is not DecoderLayer.forward:
+            return None
+        return logits_indices

@@ -392,14 +392,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, residual, cos, sin, kv, ctx):  # type: ignore[no-untyped-def]
+    def forward(self, hidden, residual, cos, sin, kv, ctx, rows=None):  # type: ignore[no-untyped-def]
         """Pre-norm layer on the residual stream: returns (this layer's output, the stream before it),
-        whose sum is the stream after it; the next norm adds them (fused), as the first takes `residual=None`."""
+        whose sum is the stream after it; the next norm adds them (fused), as the first takes `residual=None`.
+
+        `rows` (an index tensor): only those rows are read after this layer (the model's last layer, whose
+        other rows nobody reads). Attention still runs for every row, since it writes every token's KV;
+        the norm and the MLP run for `rows` only, and only they are returned."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv, ctx)
+        if rows is not None:
+            hidden, residual = hidden[rows], residual[rows]
+            if rows.shape[0] == 0:  # a prefill chunk that samples nothing: only its KV was wanted
+                return hidden, residual
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
