@@ -225,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             "output_speedup_median": round(statistics.median(ratios), 3),
             "decode_speedup_median": round(statistics.median(decode_ratios), 3),
             "cpu_decode_speedup_median": round(statistics.median(cpu_decode_ratios), 3),
-            "prefill_share_of_cpu": round(1 - sum(r["decode_cpu_s"] for r in results) / sum(r["cpu_s"] for r in results), 3),
+            "prefill_share_of_cpu": round(
+                1 - sum(r["decode_cpu_s"] for r in results) / sum(r["cpu_s"] for r in results), 3
+            ),
             "output_tokens": results[-1]["output_tokens"],
         }
         speculator = engines[name].engine.speculator

@@ -23,7 +23,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", type=Path, default=REPO_ROOT / "models" / "demo")
     parser.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
     parser.add_argument("--num-drafts", type=int, default=4)
@@ -72,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     configs: dict[str, tuple[StepInput, bool]] = {"decode": (decode, True), "verify": (verify, True)}
     if args.compare:
         configs["verify_prefill_path"] = (verify, False)
-    times: dict[str, list[float]] = {name: [] for name in configs}  # CPU seconds (one thread: a quiet wall clock)
+    times: dict[str, list[float]] = {
+        name: [] for name in configs
+    }  # CPU seconds (one thread: a quiet wall clock)
     walls: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(5):
         for s, _kernel in configs.values():

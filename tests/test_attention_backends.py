@@ -154,7 +154,9 @@ def test_slots_outside_the_context_never_reach_the_output(backend_cls):
     device_pool = KVPool(pool.layout, pool.num_pages, device=device)
     device_pool.storage.copy_(pool.storage)
     backend = backend_cls(device=device, page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6)
-    out = backend.forward(0, q.to(device), None, None, device_pool, backend.prepare(step), HEAD_DIM**-0.5).cpu()
+    out = backend.forward(
+        0, q.to(device), None, None, device_pool, backend.prepare(step), HEAD_DIM**-0.5
+    ).cpu()
     assert not out.isnan().any()
     torch.testing.assert_close(
         out.double(), reference_attention(q, pool, step, HEAD_DIM**-0.5, None), rtol=1e-5, atol=1e-5
@@ -216,7 +218,9 @@ def test_cpu_multi_token_rows_take_the_decode_kernel_and_attend_causally(rows, p
     num_tokens = len(step.token_ids)
     q = torch.randn(num_tokens, HEADS, HEAD_DIM)
     k, v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM), torch.randn(num_tokens, KV_HEADS, HEAD_DIM)
-    backend = CpuBackend(device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=8, sliding_window=window)
+    backend = CpuBackend(
+        device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=8, sliding_window=window
+    )
     metadata = backend.prepare(step)
     assert (getattr(metadata, "token_rows", None) is not None) == through_kernel
     out = backend.forward(0, q, k, v, pool, metadata, HEAD_DIM**-0.5)

@@ -57,7 +57,9 @@ class DraftSequence:
 class DraftModelProposer(Proposer):
     name = "draft"
 
-    def __init__(self, worker: Any, num_pages: int, page_size: int, vocab_size: int, lean: bool = True) -> None:
+    def __init__(
+        self, worker: Any, num_pages: int, page_size: int, vocab_size: int, lean: bool = True
+    ) -> None:
         self.worker = worker  # hearth.engine.worker.Worker running the draft model
         self.page_size = page_size
         self.vocab_size = vocab_size  # proposals stay within the target's sampled vocabulary
@@ -78,12 +80,16 @@ class DraftModelProposer(Proposer):
         if self._try_lean and self.lean is None and LeanDraftRunner.kernels_ready():
             self._try_lean = False
             self.lean = LeanDraftRunner.build(self.worker.model, self.vocab_size, self.context_window)
-            logger.info("draft model: lean chain for batches of <= %d: %s", LEAN_MAX_ROWS, self.lean is not None)
+            logger.info(
+                "draft model: lean chain for batches of <= %d: %s", LEAN_MAX_ROWS, self.lean is not None
+            )
         lean = self.lean
         if lean is not None and len(batch) <= LEAN_MAX_ROWS:
             sequences = self._lean_sequences
             return [
-                lean.propose(sequences.setdefault(r.request_id, lean.new_sequence()), r.token_ids, r.num_tokens)
+                lean.propose(
+                    sequences.setdefault(r.request_id, lean.new_sequence()), r.token_ids, r.num_tokens
+                )
                 for r in batch
             ]
         return self._propose_paged(batch)

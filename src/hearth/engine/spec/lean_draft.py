@@ -198,7 +198,9 @@ class LeanDraftRunner:
             sequence.offset = max(0, len(token_ids) - self.context_window)
         offset = sequence.offset
         held = sequence.token_ids
-        limit = min(len(held), len(token_ids) - offset - 1)  # the last token is always fed: its logits propose
+        limit = min(
+            len(held), len(token_ids) - offset - 1
+        )  # the last token is always fed: its logits propose
         keep = 0
         while keep < limit and held[keep] == token_ids[offset + keep]:
             keep += 1

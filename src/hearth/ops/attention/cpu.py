@@ -98,7 +98,8 @@ class CpuBackend(TorchRefBackend):
         kernel = self._kernel()
         starts = step.query_start_loc
         if kernel is None or any(
-            starts[r + 1] - starts[r] > MAX_KERNEL_ROW_TOKENS for r in range(step.num_decode_rows, len(step.seq_lens))
+            starts[r + 1] - starts[r] > MAX_KERNEL_ROW_TOKENS
+            for r in range(step.num_decode_rows, len(step.seq_lens))
         ):
             return None
         common = self._common_metadata(step)
@@ -166,7 +167,15 @@ class CpuBackend(TorchRefBackend):
     ) -> torch.Tensor:
         if kv_scales is not None:
             return kernel(
-                q.contiguous(), k_pool, v_pool, *kv_scales, page_table, seq_lens, first_positions, page_size, scale
+                q.contiguous(),
+                k_pool,
+                v_pool,
+                *kv_scales,
+                page_table,
+                seq_lens,
+                first_positions,
+                page_size,
+                scale,
             )
         return kernel(q.contiguous(), k_pool, v_pool, page_table, seq_lens, first_positions, page_size, scale)
 
