@@ -7,6 +7,7 @@ hits them alike; the report gives ratios to the no-speculation baseline of the s
     python scripts/bench_speculative.py --batch-size 1 --methods ngram draft --rounds 3
     python scripts/bench_speculative.py --batch-size 64 --methods ngram draft --max-tokens 64
     python scripts/bench_speculative.py --batch-size 1 --methods ngram eagle3 --fixed-k  # accepted length at K
+    python scripts/bench_speculative.py --batch-size 1 --methods draft@4 draft@8  # K per configuration
     python scripts/bench_speculative.py --model M --speculative-model D --random-prompts 200  # any model
 """
 
@@ -54,11 +55,14 @@ def run_batch(llm: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: b
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(EngineRequest(request_id, prompt, params))
     done = 0
+    first_cpu: float | None = None  # CPU clock at the batch's first token: prefill before, decode after
     while done < len(prompts):
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
             if out.new_token_ids:
+                if first_cpu is None:
+                    first_cpu = time.process_time()
                 first_at.setdefault(out.request_id, now)
                 counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
             done += out.finished
@@ -73,13 +77,21 @@ def run_batch(llm: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: b
         "decode_tokens": decode_tokens,
         "decode_s": decode_s,
         "cpu_s": cpu_s,
+        "decode_cpu_s": time.process_time() - first_cpu if first_cpu is not None else cpu_s,
     }
 
 
 def measure(
     llm: Any, prompts: list[list[int]], batch_size: int, max_tokens: int, ignore_eos: bool
 ) -> dict[str, float]:
-    totals = {"output_tokens": 0, "elapsed_s": 0.0, "decode_tokens": 0, "decode_s": 0.0, "cpu_s": 0.0}
+    totals = {
+        "output_tokens": 0,
+        "elapsed_s": 0.0,
+        "decode_tokens": 0,
+        "decode_s": 0.0,
+        "cpu_s": 0.0,
+        "decode_cpu_s": 0.0,
+    }
     for start in range(0, len(prompts), batch_size):
         part = run_batch(llm, prompts[start : start + batch_size], max_tokens, ignore_eos)
         for key in totals:
@@ -114,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "--fixed-k", action="store_true", help="no adaptive K or payoff switch: K drafts on every step"
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--speculative-max-batch-size", type=int, default=32)
+    parser.add_argument("--speculative-max-batch-size", type=int, default=None, help="default: the engine's (8 on CPU)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -145,15 +157,17 @@ def main(argv: list[str] | None = None) -> int:
         ignore_eos = False
     common = dict(num_threads=args.num_threads, kv_cache_memory_gib=0.5)
     configs: dict[str, dict[str, Any]] = {"none": {}}
-    for method in args.methods:
-        configs[method] = dict(
+    for name in args.methods:
+        # "draft@8": the method with its own K (several K of one method compared in one run).
+        method, _, k = name.partition("@")
+        configs[name] = dict(
             speculative_method=method,
             speculative_model=(
                 None
                 if method == "ngram"
                 else str(args.eagle3_model if method == "eagle3" else args.speculative_model)
             ),
-            num_speculative_tokens=args.num_speculative_tokens,
+            num_speculative_tokens=int(k) if k else args.num_speculative_tokens,
             speculative_max_batch_size=args.speculative_max_batch_size,
         )
     engines = {name: LLM(str(args.model), **common, **options) for name, options in configs.items()}
@@ -199,12 +213,21 @@ def main(argv: list[str] | None = None) -> int:
         cpu_ratios = [
             b["cpu_s"] / b["output_tokens"] / (r["cpu_s"] / r["output_tokens"]) for r, b in zip(results, base)
         ]
+        # The decode phase alone (after each batch's first token), in CPU seconds: what speculation changes.
+        cpu_decode_ratios = [
+            b["decode_cpu_s"] / b["decode_tokens"] / (r["decode_cpu_s"] / r["decode_tokens"])
+            for r, b in zip(results, base)
+        ]
         entry = {
             "output_tok_s": [round(r["output_tokens"] / r["elapsed_s"], 1) for r in results],
             "output_tok_per_cpu_s": [round(r["output_tokens"] / r["cpu_s"], 1) for r in results],
             "cpu_speedup_median": round(statistics.median(cpu_ratios), 3),
             "output_speedup_median": round(statistics.median(ratios), 3),
             "decode_speedup_median": round(statistics.median(decode_ratios), 3),
+            "cpu_decode_speedup_median": round(statistics.median(cpu_decode_ratios), 3),
+            "prefill_share_of_cpu": round(
+                1 - sum(r["decode_cpu_s"] for r in results) / sum(r["cpu_s"] for r in results), 3
+            ),
             "output_tokens": results[-1]["output_tokens"],
         }
         speculator = engines[name].engine.speculator

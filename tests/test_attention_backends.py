@@ -9,7 +9,7 @@ from hearth.engine.step_input import StepInput
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionBackend, available_backends, get_backend, select_backend
-from hearth.ops.attention.cpu import CpuBackend
+from hearth.ops.attention.cpu import MAX_KERNEL_ROW_TOKENS, CpuBackend
 from hearth.ops.attention.torch_ref import TorchRefBackend
 from hearth.ops.triton import triton_available
 
@@ -154,7 +154,9 @@ def test_slots_outside_the_context_never_reach_the_output(backend_cls):
     device_pool = KVPool(pool.layout, pool.num_pages, device=device)
     device_pool.storage.copy_(pool.storage)
     backend = backend_cls(device=device, page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=6)
-    out = backend.forward(0, q.to(device), None, None, device_pool, backend.prepare(step), HEAD_DIM**-0.5).cpu()
+    out = backend.forward(
+        0, q.to(device), None, None, device_pool, backend.prepare(step), HEAD_DIM**-0.5
+    ).cpu()
     assert not out.isnan().any()
     torch.testing.assert_close(
         out.double(), reference_attention(q, pool, step, HEAD_DIM**-0.5, None), rtol=1e-5, atol=1e-5
@@ -189,3 +191,45 @@ def test_torch_reference_keeps_every_tensor_on_its_device():
     )
     out = backend.forward(0, q, k, k, pool, metadata, 0.5)
     assert out.device.type == "meta" and out.shape == q.shape
+
+
+# Speculative decoding's steady state: decode rows, then verify rows of 1 + K queries (K = 4, 2, 7).
+VERIFY_ROWS = [(9, 1), (14, 1), (13, 5), (7, 3), (22, 8)]
+VERIFY_PAGES = [[5, 2, 11], [0, 14, 3, 9], [1, 6, 12, 13], [4, 15], [7, 10, 8, 16, 17, 18]]
+# A prefill chunk longer than MAX_KERNEL_ROW_TOKENS next to a verify row: the step keeps the torch path.
+LONG_ROWS = [(9, 1), (13, 5), (20, 17)]
+LONG_PAGES = [[5, 2, 11], [1, 6, 12, 13], [4, 15, 7, 10, 8]]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(
+    ("rows", "pages", "through_kernel"), [(VERIFY_ROWS, VERIFY_PAGES, True), (LONG_ROWS, LONG_PAGES, False)]
+)
+def test_cpu_multi_token_rows_take_the_decode_kernel_and_attend_causally(rows, pages, through_kernel, window):
+    """Every row short: one decode-kernel query per token, each causal within its row (the reference reads
+    slot by slot); a long row anywhere: the step keeps the prefill path, with the same result."""
+    if cpu_kernels.paged_decode_attention_kernel(wait=True) is None:
+        pytest.skip("the CPU kernels did not build here")
+    assert max(q for _, q in LONG_ROWS) > MAX_KERNEL_ROW_TOKENS >= max(q for _, q in VERIFY_ROWS)
+    torch.manual_seed(1)
+    pool = KVPool(KVLayout(1, KV_HEADS, HEAD_DIM, PAGE_SIZE, torch.float32), 19)
+    pool.storage.copy_(torch.randn(pool.storage.shape))
+    step = make_step(rows, pages)
+    num_tokens = len(step.token_ids)
+    q = torch.randn(num_tokens, HEADS, HEAD_DIM)
+    k, v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM), torch.randn(num_tokens, KV_HEADS, HEAD_DIM)
+    backend = CpuBackend(
+        device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=8, sliding_window=window
+    )
+    metadata = backend.prepare(step)
+    assert (getattr(metadata, "token_rows", None) is not None) == through_kernel
+    out = backend.forward(0, q, k, v, pool, metadata, HEAD_DIM**-0.5)
+    expected = reference_attention(q, pool, step, HEAD_DIM**-0.5, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # The same step through the prefill path (the multi-token-row kernel off) agrees with it.
+    backend.verify_rows_kernel = False
+    reference_path = backend.prepare(step)
+    assert getattr(reference_path, "token_rows", None) is None
+    torch.testing.assert_close(
+        backend.forward(0, q, None, None, pool, reference_path, HEAD_DIM**-0.5), out, rtol=1e-5, atol=1e-5
+    )

@@ -189,3 +189,20 @@ def test_payoff_turns_drafts_off_where_they_cost_more_and_keeps_measuring():
     payoff.record(1, True, seconds=0.2, num_tokens=10)
     payoff.record(1, False, seconds=0.5, num_tokens=10)
     assert sum(payoff.use_drafts(1) for _ in range(_EXPLORE_EVERY_STEPS)) == _EXPLORE_EVERY_STEPS - 1
+
+
+def test_a_requests_first_drafted_step_is_not_charged_to_the_payoff():
+    """That step also pays the proposer's catch-up over the request's context (a draft model's prefill);
+    the steps after it are the per-token rate the switch compares."""
+    from hearth.engine.scheduler import ScheduledRequest
+
+    speculator = Speculator(FixedProposer(), max_num_tokens=2, max_batch_size=8)
+    request = decoding_request(0)
+    speculator.propose([request])
+    assert request.draft_token_ids == [5, 5]
+    speculator.step_finished([ScheduledRequest(request, 3, [5, 5])], num_output_tokens=3)
+    assert speculator.payoff.cost_s == {}  # the first drafted step: not recorded
+    speculator.observe("r0", 2, 2)
+    speculator.propose([request])
+    speculator.step_finished([ScheduledRequest(request, 3, [5, 5])], num_output_tokens=3)
+    assert list(speculator.payoff.cost_s) == [(1, True)]

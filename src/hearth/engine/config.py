@@ -56,7 +56,9 @@ class EngineConfig:
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
     # Speculation turns itself off for a step with more decode rows than this (verification stops paying).
-    speculative_max_batch_size: int = 32
+    # None: 8 on CPU (at batch 64 on the demo model, 8 kept speculation at 0.98-1.08x of none where 32 lost
+    # 12-15%), 32 on accelerators, where a wider verify row is nearer free.
+    speculative_max_batch_size: int | None = None
     kv_integrity: bool = True  # check every step's page tables against the pages' tags (hearth.kv.integrity)
     kv_integrity_action: str = "recompute"  # on a mismatch: "recompute" once, then fail; or "abort" at once
     # Prefill/decode disaggregation (hearth.kv_transfer); the secret travels in $HEARTH_KV_TRANSFER_SECRET.
@@ -265,8 +267,9 @@ class EngineConfig:
         spec.add_argument(
             "--speculative-max-batch-size",
             type=int,
-            default=32,
-            help="no speculation in steps with more decode rows than this (it stops paying)",
+            default=None,
+            help="no speculation in steps with more decode rows than this (it stops paying); "
+            "default 8 on CPU, 32 on accelerators",
         )
         group.add_argument(
             "--kv-offload-memory",

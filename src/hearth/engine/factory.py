@@ -162,6 +162,9 @@ def build_engine(config: EngineConfig) -> Engine:
     return engine
 
 
+CPU_SPECULATIVE_MAX_BATCH_SIZE = 8
+
+
 def build_speculator(
     config: EngineConfig,
     model_config: ModelConfig,
@@ -192,7 +195,10 @@ def build_speculator(
         config.speculative_method,
         config.num_speculative_tokens,
     )
-    return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch_size)
+    max_batch_size = config.speculative_max_batch_size
+    if max_batch_size is None:
+        max_batch_size = CPU_SPECULATIVE_MAX_BATCH_SIZE if worker.device.type == "cpu" else 32
+    return Speculator(proposer, config.num_speculative_tokens, max_batch_size)
 
 
 def _tier_connector(config: EngineConfig, kv: KVCacheManager, pool: KVPool, layout_tag: str) -> KVConnector:

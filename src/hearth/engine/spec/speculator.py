@@ -97,7 +97,8 @@ class Speculator:
     stats: SpecStats = field(init=False)
     payoff: Payoff = field(default_factory=Payoff)
     _acceptance: dict[str, _Acceptance] = field(default_factory=dict)
-    _step: tuple[float, int, bool] | None = None  # this step's start, decode rows, whether drafts were asked
+    # This step's start, decode rows, whether drafts were asked, and whether its cost is a steady-state sample.
+    _step: tuple[float, int, bool, bool] | None = None
 
     def __post_init__(self) -> None:
         self.stats = SpecStats(self.proposer.name)
@@ -112,7 +113,7 @@ class Speculator:
         if not decoding or len(decoding) > self.max_batch_size:
             return
         use_drafts = not self.adaptive or self.payoff.use_drafts(len(decoding))
-        self._step = (time.perf_counter(), len(decoding), use_drafts)
+        self._step = (time.perf_counter(), len(decoding), use_drafts, True)
         if not use_drafts:
             return
         batch: list[ProposalRequest] = []
@@ -129,6 +130,10 @@ class Speculator:
             targets.append(request)
         if not batch:
             return
+        # A request's first drafted step also pays the proposer's one-off catch-up over its context (a draft
+        # model's prefill); charged to the per-token rate, it would switch drafts off at every new request.
+        if any(request.request_id not in self._acceptance for request in targets):
+            self._step = (self._step[0], len(decoding), use_drafts, False)
         for request, drafts in zip(targets, self.proposer.propose(batch), strict=True):
             request.draft_token_ids = drafts
 
@@ -137,9 +142,9 @@ class Speculator:
         self.proposer.target_step_done(batch)
         if self._step is None:
             return
-        started, num_decode_rows, used_drafts = self._step
+        started, num_decode_rows, used_drafts, steady = self._step
         self._step = None
-        if all(item.num_new_tokens == 1 + len(item.draft_token_ids) for item in batch):
+        if steady and all(item.num_new_tokens == 1 + len(item.draft_token_ids) for item in batch):
             self.payoff.record(num_decode_rows, used_drafts, time.perf_counter() - started, num_output_tokens)
 
     def _num_tokens(self, request_id: str) -> int:

@@ -3,16 +3,27 @@
 The kernel (`hearth.ops.cpu_kernels`, float32 queries; a float32 pool, or FP8 with per-head scales) reads keys and values in place from
 their pages; until it is built, or for other dtypes, decode rows take the torch path. The choice is
 made once per step in `prepare`, so every layer of a step runs the same code.
+
+Short multi-token rows (`token_rows`): a speculative verify row (the last known token + K drafts) is K+1
+queries at consecutive positions, causal within the row. Query i of a row ending at context length S with
+L queries attends to keys [0, S - L + 1 + i): exactly a decode query with that context length over the
+row's pages. So a step whose rows all have at most `MAX_KERNEL_ROW_TOKENS` queries (decode rows and verify
+rows, the steady state of speculative decoding) runs as one decode-kernel call per layer over every query,
+each with its row's page table and its own context length (a per-query table built once per step),
+reading the pages in place. The prefill path it replaces gathers each row's pages into contiguous tensors
+and builds a causal mask per row (in `prepare` and per layer), ~1.35x a decode step on the demo model.
+Steps with a longer row (a prefill chunk) keep the torch path for their multi-token rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from hearth.kv.fp8 import is_fp8
-from hearth.ops.attention.backend import AttentionStepInput
+from hearth.ops.attention.backend import AttentionMetadata, AttentionStepInput, PagedKVCache
 from hearth.ops.attention.torch_ref import TorchMetadata, TorchRefBackend
 from hearth.ops.cpu_kernels import (
     paged_decode_attention_bf16_kernel,
@@ -30,8 +41,29 @@ def _bf16_decode(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     return decode
 
 
+# A row with more queries than this is a prefill chunk: a query at a time (the kernel) would lose to SDPA's
+# matmuls over the gathered pages. Verify rows carry 1 + K queries, K being at most ~8 in practice.
+MAX_KERNEL_ROW_TOKENS = 16
+
+
+@dataclass
+class TokenRows:
+    """One decode-kernel query per token of the step: its row's pages, its context length, its first key."""
+
+    page_table: torch.Tensor  # long [num_tokens, page_table_width], contiguous
+    seq_lens: torch.Tensor  # long [num_tokens]
+    first_positions: torch.Tensor  # long [num_tokens]
+
+
+@dataclass
+class CpuMetadata(TorchMetadata):
+    token_rows: TokenRows | None = None  # set when every row of the step goes through the decode kernel
+
+
 class CpuBackend(TorchRefBackend):
     name = "cpu"
+    # Multi-token rows through the decode kernel (`token_rows`); off only to A/B it (scripts/time_verify_row.py).
+    verify_rows_kernel: bool = True
 
     def _kernel(self) -> Callable[..., object] | None:
         if self.device.type != "cpu":
@@ -53,9 +85,99 @@ class CpuBackend(TorchRefBackend):
         return self._kernel() is not None
 
     def prepare(self, step_input: AttentionStepInput) -> TorchMetadata:
+        if step_input.num_decode_rows < len(step_input.seq_lens) and self.verify_rows_kernel:
+            md_rows = self._prepare_token_rows(step_input)
+            if md_rows is not None:
+                return md_rows
         md = super().prepare(step_input)
         md.decode_kernel = self._kernel() if md.decode_mask is None else None
         return md
+
+    def _prepare_token_rows(self, step: AttentionStepInput) -> CpuMetadata | None:
+        """Per-query decode metadata when every row is short (see the module docstring); None otherwise."""
+        kernel = self._kernel()
+        starts = step.query_start_loc
+        if kernel is None or any(
+            starts[r + 1] - starts[r] > MAX_KERNEL_ROW_TOKENS
+            for r in range(step.num_decode_rows, len(step.seq_lens))
+        ):
+            return None
+        common = self._common_metadata(step)
+        md = CpuMetadata(**vars(common))
+        md.decode_kernel = kernel
+        query_lens = [starts[r + 1] - starts[r] for r in range(len(step.seq_lens))]
+        lens: list[int] = []
+        for end, count in zip(step.seq_lens, query_lens, strict=True):
+            lens.extend(range(end - count + 1, end + 1))
+        seq_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
+        width = md.page_table_width
+        table = md.page_table[:, :width].repeat_interleave(
+            torch.tensor(query_lens, dtype=torch.long, device=self.device), dim=0, output_size=len(lens)
+        )
+        firsts = (
+            (seq_lens - self.sliding_window).clamp_(min=0)
+            if self.sliding_window is not None
+            else torch.zeros_like(seq_lens)
+        )
+        md.token_rows = TokenRows(table, seq_lens, firsts)
+        return md
+
+    def forward(
+        self,
+        layer_index: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        kv_pool: PagedKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        rows = metadata.token_rows if isinstance(metadata, CpuMetadata) else None
+        if rows is None:
+            return super().forward(layer_index, q, k, v, kv_pool, metadata, scale)
+        assert isinstance(metadata, CpuMetadata) and metadata.decode_kernel is not None
+        if k is not None and v is not None:
+            kv_pool.store(layer_index, metadata.slot_mapping, k, v)
+        k_pool, v_pool = kv_pool.layer(layer_index)
+        return self._call_kernel(
+            metadata.decode_kernel,
+            q,
+            k_pool,
+            v_pool,
+            kv_pool.kv_scales(layer_index),
+            rows.page_table,
+            rows.seq_lens,
+            rows.first_positions,
+            metadata.page_size,
+            scale,
+        )
+
+    @staticmethod
+    def _call_kernel(
+        kernel: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        first_positions: torch.Tensor,
+        page_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        if kv_scales is not None:
+            return kernel(
+                q.contiguous(),
+                k_pool,
+                v_pool,
+                *kv_scales,
+                page_table,
+                seq_lens,
+                first_positions,
+                page_size,
+                scale,
+            )
+        return kernel(q.contiguous(), k_pool, v_pool, page_table, seq_lens, first_positions, page_size, scale)
 
     def _decode(
         self,
