@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from demo_prompts import weather_tool_prompts
 from safetensors.torch import save_file
 from tiny_models import make_tiny_model
 
@@ -188,33 +189,8 @@ def test_shipped_demo_head_is_lossless_on_tool_calls():
     head_dir = REPO_ROOT / "models" / "demo-eagle3"
     if not (head_dir / "config.json").exists():
         pytest.skip("models/demo-eagle3 is not trained yet")
-    from hearth.model.tokenizer import Tokenizer
-    from hearth.server.chat_template import ChatTemplate
-
     demo = REPO_ROOT / "models" / "demo"
-    tokenizer = Tokenizer.from_dir(demo)
-    template = ChatTemplate.from_dir(demo)
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "Current weather in a city",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string"}},
-                    "required": ["city"],
-                },
-            },
-        }
-    ]
-    prompts = [
-        tokenizer.encode(
-            template.render([{"role": "user", "content": f"What's the weather in {city}?"}], tools=tools),
-            add_special_tokens=False,
-        )
-        for city in ("Paris", "Tokyo", "Lagos")
-    ]
+    prompts = weather_tool_prompts(demo)
     params = SamplingParams(temperature=0.0, max_tokens=48)
     expected = LLM(str(demo), dtype="float32", num_threads=1).generate(prompts, params)
     llm = eagle_llm(demo, head_dir, k=4)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from demo_prompts import weather_tool_prompts
 from tiny_models import make_tiny_model
 
 from hearth import LLM, SamplingParams
@@ -194,32 +195,7 @@ def test_seeded_sampling_is_reproducible_and_valid(target_dir):
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_demo_model_tool_calls_are_unchanged(method):
-    from hearth.model.tokenizer import Tokenizer
-    from hearth.server.chat_template import ChatTemplate
-
-    tokenizer = Tokenizer.from_dir(DEMO)
-    template = ChatTemplate.from_dir(DEMO)
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "Current weather in a city",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string"}},
-                    "required": ["city"],
-                },
-            },
-        }
-    ]
-    prompts = [
-        tokenizer.encode(
-            template.render([{"role": "user", "content": f"What's the weather in {city}?"}], tools=tools),
-            add_special_tokens=False,
-        )
-        for city in ("Paris", "Tokyo", "Lagos")
-    ]
+    prompts = weather_tool_prompts(DEMO)
     params = SamplingParams(temperature=0.0, max_tokens=48)
     _, expected = generate(DEMO, prompts, params)
     draft = DEMO_DRAFT if method == "draft" else None

@@ -6,7 +6,8 @@ a KV write through the pool, ~0.9x a target decode step per drafted token. This 
 loaded weights (the draft `Worker`'s model, its linear layers' own fast paths) but keeps each request's
 draft KV in contiguous per-layer tensors of its own (no pages, no metadata per chained step), and a
 forward is ~45 ops: embedding, per layer norm / qkv / qk-norm / RoPE (one op pair for q and k together,
-from precomputed full-width tables) / KV write / SDPA / o / norm / MLP, then the head and an argmax.
+from precomputed full-width tables) / KV write / decode-kernel attention / o / norm / MLP, then the head and
+an argmax.
 
 Proposals need not match the engine's draft numerics bit for bit: any proposal is verified by the target,
 so a draft only changes speed, never output. They are deterministic given the request's tokens.

@@ -97,15 +97,12 @@ class CpuBackend(TorchRefBackend):
         """Per-query decode metadata when every row is short (see the module docstring); None otherwise."""
         kernel = self._kernel()
         starts = step.query_start_loc
-        if kernel is None or any(
-            starts[r + 1] - starts[r] > MAX_KERNEL_ROW_TOKENS
-            for r in range(step.num_decode_rows, len(step.seq_lens))
-        ):
+        query_lens = [starts[r + 1] - starts[r] for r in range(len(step.seq_lens))]
+        if kernel is None or max(query_lens) > MAX_KERNEL_ROW_TOKENS:
             return None
         common = self._common_metadata(step)
         md = CpuMetadata(**vars(common))
         md.decode_kernel = kernel
-        query_lens = [starts[r + 1] - starts[r] for r in range(len(step.seq_lens))]
         lens: list[int] = []
         for end, count in zip(step.seq_lens, query_lens, strict=True):
             lens.extend(range(end - count + 1, end + 1))
@@ -192,27 +189,16 @@ class CpuBackend(TorchRefBackend):
         if kernel is None:
             return super()._decode(q, k_pool, v_pool, md, scale, kv_scales)
         n = md.num_decode_rows
-        if kv_scales is not None:
-            return kernel(
-                q.contiguous(),
-                k_pool,
-                v_pool,
-                kv_scales[0],
-                kv_scales[1],
-                md.page_table[:n],
-                md.seq_lens[:n],
-                md.decode_first_positions,
-                md.page_size,
-                scale,
-            )
         # The whole-width rows of the page table buffer: contiguous, and the kernel reads only the
         # pages a row's context covers.
-        return kernel(
-            q.contiguous(),
+        return self._call_kernel(
+            kernel,
+            q,
             k_pool,
             v_pool,
-            md.page_table[: md.num_decode_rows],
-            md.seq_lens[: md.num_decode_rows],
+            kv_scales,
+            md.page_table[:n],
+            md.seq_lens[:n],
             md.decode_first_positions,
             md.page_size,
             scale,
