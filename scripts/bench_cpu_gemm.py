@@ -46,7 +46,9 @@ def layer_shapes(config: dict) -> list[tuple[int, int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="a checkpoint directory (only config.json is read)")
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 2048])
     parser.add_argument("--threads", type=int, default=2)
@@ -61,7 +63,9 @@ def main() -> None:
     head_packed = torch.ops.mkldnn._reorder_linear_weight(head, None)
 
     def run(x: torch.Tensor, weight: torch.Tensor, prepacked: torch.Tensor) -> tuple[float, float]:
-        onednn = median_s(lambda: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], ""), args.repeats)
+        onednn = median_s(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], ""), args.repeats
+        )
         mkl = median_s(lambda: torch.mm(x, weight.t()), args.repeats)
         return onednn, mkl
 

@@ -107,7 +107,9 @@ def bench_op(config: dict, device: torch.device, token_counts: list[int]) -> lis
     hidden_size, width = config["hidden_size"], config["moe_intermediate_size"]
     experts, top_k = config["num_experts"], config["num_experts_per_tok"]
     g = torch.Generator(device=device).manual_seed(0)
-    gate_up = torch.randn(experts, 2 * width, hidden_size, device=device, generator=g, dtype=torch.bfloat16) * 0.02
+    gate_up = (
+        torch.randn(experts, 2 * width, hidden_size, device=device, generator=g, dtype=torch.bfloat16) * 0.02
+    )
     down = torch.randn(experts, hidden_size, width, device=device, generator=g, dtype=torch.bfloat16) * 0.02
     rows = []
     for tokens in token_counts:
@@ -205,12 +207,17 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model of the same family (smoke test)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench-moe"))
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--profile", default=None, help="write a torch.profiler table of Hearth at batch 1 here")
+    parser.add_argument(
+        "--profile", default=None, help="write a torch.profiler table of Hearth at batch 1 here"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     config = dict(TINY if args.tiny else QWEN3_30B_A3B)
     config["num_hidden_layers"] = 2 if args.tiny else args.layers
-    results: dict = {"config": config, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    results: dict = {
+        "config": config,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
 
     op_rows = bench_op(config, device, [int(t) for t in args.op_tokens.split(",")])
     results["op"] = op_rows
@@ -231,18 +238,29 @@ def main() -> None:
     hf_outputs = {}
     import transformers
 
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).to(device).eval()
+    hf_model = (
+        transformers.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16).to(device).eval()
+    )
     for batch in batch_sizes:
         seconds, tokens = hf_generate(hf_model, device, all_prompts[:batch], args.output_len)
         hf_outputs[batch] = tokens
-        end_to_end.append({"batch": batch, "engine": "transformers", "tok_s": batch * args.output_len / seconds})
+        end_to_end.append(
+            {"batch": batch, "engine": "transformers", "tok_s": batch * args.output_len / seconds}
+        )
         print(f"transformers batch {batch}: {batch * args.output_len / seconds:.1f} tok/s", flush=True)
     del hf_model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    llm = LLM(str(args.dir), device=args.device, dtype="bfloat16", kv_cache_memory_gib=8.0 if not args.tiny else 0.25)
+    llm = LLM(
+        str(args.dir),
+        device=args.device,
+        dtype="bfloat16",
+        kv_cache_memory_gib=8.0 if not args.tiny else 0.25,
+    )
     for label, grouped in (("hearth", None), ("hearth expert_loop", False)):
-        patch = mock.patch.object(moe_ops, "grouped_mm_pays", lambda hidden: False) if grouped is False else None
+        patch = (
+            mock.patch.object(moe_ops, "grouped_mm_pays", lambda hidden: False) if grouped is False else None
+        )
         if patch:
             patch.start()
         try:
@@ -255,15 +273,20 @@ def main() -> None:
                     "shared_with_transformers": shared_prefix_fraction(tokens, hf_outputs[batch]),
                 }
                 end_to_end.append(row)
-                print(f"{label} batch {batch}: {row['tok_s']:.1f} tok/s, "
-                      f"{row['shared_with_transformers']:.1%} of tokens before the first difference", flush=True)
+                print(
+                    f"{label} batch {batch}: {row['tok_s']:.1f} tok/s, "
+                    f"{row['shared_with_transformers']:.1%} of tokens before the first difference",
+                    flush=True,
+                )
         finally:
             if patch:
                 patch.stop()
     results["end_to_end"] = end_to_end
     if args.profile:
         profile_batch_one(llm, all_prompts[:1], Path(args.profile))
-    print("\nbatch | transformers tok/s | hearth tok/s | hearth/transformers | hearth expert_loop tok/s | shared")
+    print(
+        "\nbatch | transformers tok/s | hearth tok/s | hearth/transformers | hearth expert_loop tok/s | shared"
+    )
     for batch in batch_sizes:
         by = {r["engine"]: r for r in end_to_end if r["batch"] == batch}
         print(

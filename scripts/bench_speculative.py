@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         "--fixed-k", action="store_true", help="no adaptive K or payoff switch: K drafts on every step"
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--speculative-max-batch-size", type=int, default=None, help="default: the engine's (8 on CPU)")
+    parser.add_argument(
+        "--speculative-max-batch-size", type=int, default=None, help="default: the engine's (8 on CPU)"
+    )
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)

@@ -1,4 +1,4 @@
-"""How long getting a step's bytes to the other ranks takes: gloo broadcast (what hearth.distributed.channel
+"""How long getting a step's bytes to the other ranks takes: gloo broadcast (what hearth.parallel.channel
 does: length, then bytes) against a ZeroMQ PUB/SUB socket over TCP loopback, rank 0 -> 1 other rank,
 round trip (the receiver answers with one byte on the same transport, so both ends are timed).
 
@@ -21,7 +21,11 @@ def gloo(rank: int, port: int, out: mp.Queue) -> None:
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
     )
     for size in SIZES:
         times = []

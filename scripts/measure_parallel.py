@@ -4,7 +4,7 @@
 
 Each layout runs in a process of its own (rank 0 there; the others are its rank processes, which log
 a `rank report` line when they stop). Per rank: weight bytes held, peak RSS, and the bytes it sent per
-decoded token at batch 1 and 64 (counters in hearth.distributed.state.COMM_BYTES; a decode token's
+decoded token at batch 1 and 64 (counters in hearth.parallel.state.COMM_BYTES; a decode token's
 bytes = (bytes after prefill + 32 decode steps - bytes after prefill alone) / (32 x batch)).
 Without --model a random Llama-shaped checkpoint (hidden 1024, 8 layers, vocab 32000) is written.
 
@@ -43,7 +43,7 @@ import json, logging, resource, sys
 logging.basicConfig(level=logging.INFO)  # the rank processes inherit the level: their reports are INFO
 import torch, hearth.engine.llm
 baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-from hearth.distributed.state import COMM_BYTES
+from hearth.parallel.state import COMM_BYTES
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import SamplingParams
 model, layout, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
@@ -70,7 +70,7 @@ if hasattr(worker, "shutdown"):
 OVERLAP_CHILD = r"""
 import json, logging, os, sys, time
 logging.basicConfig(level=logging.INFO)
-from hearth.distributed.state import PIPELINE_TIME_S
+from hearth.parallel.state import PIPELINE_TIME_S
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import SamplingParams
 model, layout, batch, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

@@ -69,7 +69,9 @@ def run_round(engine, args: argparse.Namespace, tag: str, rng: random.Random) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=64)

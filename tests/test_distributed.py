@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hearth.distributed.executor import free_port
-from hearth.distributed.topology import ParallelConfig, rank_kv_heads, split_layers
 from hearth.engine.config import EngineConfig
 from hearth.engine.llm import LLM
+from hearth.engine.ranks.executor import free_port
 from hearth.engine.sampling_params import SamplingParams
 from hearth.model.config import ModelConfig
 from hearth.model.lazy_tensor import LOADED_BYTES
 from hearth.model.loader import load_model
 from hearth.model.weights import TPRank
+from hearth.parallel.topology import ParallelConfig, rank_kv_heads, split_layers
 
 TESTS = Path(__file__).parent
 SRC = TESTS.parent / "src"
@@ -223,7 +223,7 @@ def test_two_nodes_on_loopback_give_the_tokens_of_one_rank(tiny_model_factory):
         [
             sys.executable,
             "-m",
-            "hearth.distributed.node",
+            "hearth.engine.ranks.node",
             "--model",
             str(model_dir),
             "--node-rank",
@@ -271,7 +271,7 @@ def test_a_killed_rank_ends_the_deployment_with_an_error(tiny_model_factory):
 
 
 def test_more_ranks_than_gpus_is_a_clear_error_before_any_process_starts():
-    from hearth.distributed.executor import check_devices_for_ranks
+    from hearth.engine.ranks.executor import check_devices_for_ranks
 
     check_devices_for_ranks(4, torch.device("cpu"))  # gloo ranks share the CPU
     too_many = torch.cuda.device_count() + 1

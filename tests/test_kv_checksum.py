@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from hearth.distributed.state import ParallelState, all_gather_tp, all_reduce_tp, parallel_state
 from hearth.kv.checksum import PageChecksumError, page_checksum, verify_page_checksum
+from hearth.parallel.state import ParallelState, all_gather_tp, all_reduce_tp, parallel_state
 
 
 def test_checksum_of_tensor_equals_checksum_of_its_bytes_and_detects_one_flipped_bit() -> None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hearth.kv.convert import convert_pages, pool_scales, write_converted_pages
-from hearth.kv.fp8 import FP8_DTYPE, fake_quantize_fp8
 from hearth.kv.pool import KVLayout, KVPool
+from hearth.ops.fp8 import FP8_DTYPE, fake_quantize_fp8
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 8, 4
 

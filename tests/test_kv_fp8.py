@@ -15,12 +15,13 @@ from test_attention_backends import (
     make_step,
 )
 
-from hearth.kv.fp8 import FP8_DTYPE, FP8_MAX, fake_quantize_fp8, quantize_fp8, scales_from_amax
-from hearth.kv.fp8_scales import kv_scale_target, scales_from_checkpoint
+from hearth.engine.fp8_kv_scales import scales_from_checkpoint
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
+from hearth.model.kv_scale_names import kv_scale_target
 from hearth.ops import cpu_kernels
 from hearth.ops.attention.cpu import CpuBackend
 from hearth.ops.attention.torch_ref import TorchRefBackend
+from hearth.ops.fp8 import FP8_DTYPE, FP8_MAX, fake_quantize_fp8, quantize_fp8, scales_from_amax
 
 # Heads of very different sizes: one scale for all (or 1.0) would flush one head or saturate the other.
 HEAD_MAGNITUDES = torch.tensor([3000.0, 0.01])

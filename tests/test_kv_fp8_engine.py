@@ -11,10 +11,10 @@ import httpx
 import pytest
 import torch
 
+from hearth.engine.fp8_kv_scales import calibrate_kv_amax, calibration_token_ids
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import SamplingParams
-from hearth.kv.fp8 import scales_from_amax
-from hearth.kv.fp8_scales import calibrate_kv_amax, calibration_token_ids
+from hearth.ops.fp8 import scales_from_amax
 from hearth.server.process import ServerProcess
 
 PROMPTS = ["Hello there, how are you", "The weather in Paris is", "def add(a, b):", "Once upon a time"]
@@ -59,8 +59,8 @@ def test_checkpoint_kv_scales_are_used_as_shipped(tiny_llama, tmp_path):
 def test_fp8_kv_holds_twice_the_tokens_and_answers_like_fake_quantized_float_kv(tiny_llama, monkeypatch):
     """The FP8 engine (CPU kernels: fused quantizing write, FP8 decode attention) against a float32-KV engine
     whose store rounds K/V through FP8 with the same scales (torch paths): the same greedy tokens."""
-    from hearth.kv.fp8 import fake_quantize_fp8
     from hearth.ops import cpu_kernels
+    from hearth.ops.fp8 import fake_quantize_fp8
 
     cpu_kernels.paged_decode_attention_kernel(wait=True)
     bf16 = LLM(str(tiny_llama), kv_cache_dtype="bfloat16", kv_cache_memory_gib=1 / 64)

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_distributed import PROMPTS, run_layouts
 
+from hearth.engine.fp8_kv_scales import rank_kv_scales
 from hearth.engine.llm import LLM
 from hearth.engine.sampling_params import SamplingParams
-from hearth.kv.fp8_scales import rank_kv_scales
 
 FP8 = {"kv_cache_dtype": "fp8_e4m3"}
 

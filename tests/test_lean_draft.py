@@ -1,4 +1,4 @@
-"""The lean draft chain (`hearth.engine.spec.lean_draft`): its greedy proposals are transformers' greedy
+"""The lean draft chain (`hearth.engine.speculative.lean_draft`): its greedy proposals are transformers' greedy
 continuation of the draft model (over the context window it sees), it rolls back to the request's tokens,
 and the `draft` proposer takes it for small batches."""
 
@@ -11,8 +11,8 @@ import torch
 from tiny_models import make_tiny_model
 
 from hearth import LLM
-from hearth.engine.spec.lean_draft import CONTEXT_WINDOW_TOKENS, LeanDraftRunner
-from hearth.engine.spec.proposer import ProposalRequest
+from hearth.engine.speculative.lean_draft import CONTEXT_WINDOW_TOKENS, LeanDraftRunner
+from hearth.engine.speculative.proposer import ProposalRequest
 
 
 @pytest.fixture(scope="module", autouse=True)

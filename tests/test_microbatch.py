@@ -1,4 +1,4 @@
-"""Pipeline micro-batches (hearth.distributed.microbatch): how a step is cut, and that the cut steps'
+"""Pipeline micro-batches (hearth.engine.ranks.microbatch): how a step is cut, and that the cut steps'
 logits, concatenated, are the whole step's (one process: the stage is first and last, so the forward
 runs its micro-batches in turn with nothing to send)."""
 
@@ -8,7 +8,7 @@ import torch
 from test_worker import PAGE_SIZE, Requests, advance
 
 from hearth import LLM
-from hearth.distributed.microbatch import forward_micro_batches, micro_batch_rows, sub_step
+from hearth.engine.ranks.microbatch import forward_micro_batches, micro_batch_rows, sub_step
 from hearth.engine.scheduler import ScheduledRequest as Row
 from hearth.engine.step_input import StepInputBuilder
 

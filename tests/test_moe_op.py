@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearth.distributed.state import ParallelState, set_parallel_state
 from hearth.model.config import ModelConfig
 from hearth.model.layers import LayerOptions
 from hearth.model.loader import build_model, load_weights
@@ -13,6 +12,7 @@ from hearth.model.moe import FusedExperts, SparseMoeBlock, TopKRouter, expert_ra
 from hearth.model.weights import TPRank
 from hearth.ops import moe as moe_ops
 from hearth.ops.moe import fused_moe, moe_reference
+from hearth.parallel.state import ParallelState, set_parallel_state
 
 
 def random_moe(num_tokens: int, num_experts: int = 6, top_k: int = 2, seed: int = 0):

@@ -8,10 +8,10 @@ import torch
 from hearth.engine.request import Request
 from hearth.engine.sampler import Sampler, SamplingRow
 from hearth.engine.sampling_params import SamplingParams
-from hearth.engine.spec.ngram import lookup
-from hearth.engine.spec.proposer import ProposalRequest, Proposer
-from hearth.engine.spec.rejection import rejection_sample
-from hearth.engine.spec.speculator import Speculator
+from hearth.engine.speculative.ngram import lookup
+from hearth.engine.speculative.proposer import ProposalRequest, Proposer
+from hearth.engine.speculative.rejection import rejection_sample
+from hearth.engine.speculative.speculator import Speculator
 from hearth.kv.prefix_keys import root_key
 
 VOCAB = 6
@@ -176,7 +176,7 @@ def test_options_are_checked_where_the_user_sets_them(tmp_path):
 
 
 def test_payoff_turns_drafts_off_where_they_cost_more_and_keeps_measuring():
-    from hearth.engine.spec.speculator import _EXPLORE_EVERY_STEPS, Payoff
+    from hearth.engine.speculative.speculator import _EXPLORE_EVERY_STEPS, Payoff
 
     payoff = Payoff()
     assert payoff.use_drafts(8)  # nothing measured: try drafts first

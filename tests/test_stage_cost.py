@@ -1,4 +1,4 @@
-"""Pipeline stages balanced by measured cost (hearth.distributed.stage_cost, pipeline): the cost model and
+"""Pipeline stages balanced by measured cost (hearth.engine.ranks.stage_cost, pipeline): the cost model and
 the split on uneven models, in plain Python with a fixed timing (no calibration, milliseconds)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearth.distributed.pipeline import ranges_of, stage_layers
-from hearth.distributed.stage_cost import (
+from hearth.engine.ranks.pipeline import ranges_of, stage_layers
+from hearth.engine.ranks.stage_cost import (
     LayerWeights,
     LinearTiming,
     calibrate,
@@ -15,7 +15,7 @@ from hearth.distributed.stage_cost import (
     stage_seconds,
     step_costs,
 )
-from hearth.distributed.topology import split_layers
+from hearth.parallel.topology import split_layers
 
 # Memory-bound up to 32 rows (time per parameter flat), then compute-bound (growing with rows).
 TIMING = LinearTiming((1, 32, 128), (1e-10, 1e-10, 4e-10))

@@ -1,11 +1,11 @@
-"""The ZeroMQ step channel (hearth.distributed.step_channel) on its own, in one process: steps in order,
+"""The ZeroMQ step channel (hearth.engine.ranks.step_channel) on its own, in one process: steps in order,
 the stop signal, outputs back, and a rank that notices rank 0 is gone instead of waiting forever."""
 
 from __future__ import annotations
 
 import pytest
 
-from hearth.distributed.step_channel import HELLO, RankZeroGone, ZmqCoreChannel, ZmqRankChannel
+from hearth.engine.ranks.step_channel import HELLO, RankZeroGone, ZmqCoreChannel, ZmqRankChannel
 
 
 def connected() -> tuple[ZmqCoreChannel, ZmqRankChannel]:

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from hearth.kv.dtypes import KV_CACHE_DTYPE_CHOICES, check_kv_cache_dtype
+from hearth.model.quantization.select import QUANTIZATION_CHOICES
 
 # Torch-free, like the KV dtype names: `hearth.model.quantization.select` checks them against the checkpoint.
-QUANTIZATION_CHOICES = ("auto", "none", "int4", "gptq", "awq", "compressed-tensors", "fp8")
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -43,7 +43,7 @@ class EngineConfig:
     load_progress: bool = False
     device: str = "auto"
     kv_cache_dtype: str = "auto"
-    # Parallelism (hearth.distributed): ranks = tensor x pipeline parallel size, over `nnodes` hosts.
+    # Parallelism (hearth.parallel, hearth.engine.ranks): ranks = tensor x pipeline parallel size, over `nnodes` hosts.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     expert_parallel: bool = False
@@ -51,7 +51,7 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None on one node: a free port is picked
-    # Speculative decoding (hearth.engine.spec): None = off.
+    # Speculative decoding (hearth.engine.speculative): None = off.
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
@@ -72,7 +72,7 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     kv_disk_size_gib: float = 16.0
     kv_store: str | None = None
-    # Pipeline parallelism (hearth.distributed.microbatch, hearth.distributed.pipeline): micro-batches per
+    # Pipeline parallelism (hearth.engine.ranks.microbatch, hearth.engine.ranks.pipeline): micro-batches per
     # step (0: auto, 2 x stages; 1: none), and the layers per stage (None: balanced by the cost model).
     pipeline_micro_batches: int = 0
     pipeline_stage_layers: tuple[int, ...] | None = None
@@ -98,7 +98,7 @@ class EngineConfig:
                 f"kv_integrity_action must be one of {', '.join(KV_INTEGRITY_ACTIONS)}, "
                 f"got {self.kv_integrity_action!r}"
             )
-        from hearth.distributed.topology import ParallelConfig  # torch-free: checks sizes and nodes
+        from hearth.parallel.topology import ParallelConfig  # torch-free: checks sizes and nodes
 
         ParallelConfig(
             self.tensor_parallel_size,
@@ -112,7 +112,7 @@ class EngineConfig:
                 "with nnodes > 1, master_port (and master_addr) must name node 0's rendezvous port"
             )
         if self.speculative_method is not None:
-            from hearth.engine.spec.registry import check_speculative_options
+            from hearth.engine.speculative.registry import check_speculative_options
 
             check_speculative_options(
                 self.speculative_method, self.speculative_model, self.num_speculative_tokens
@@ -216,7 +216,7 @@ class EngineConfig:
             help="weights: auto = as the checkpoint's quantization_config says (GPTQ/AWQ/compressed-tensors INT4, "
             "FP8 blocks), else dense; int4 = round-to-nearest INT4 per group at load time",
         )
-        parallel = parser.add_argument_group("parallelism (hearth.distributed)")
+        parallel = parser.add_argument_group("parallelism (hearth.parallel, hearth.engine.ranks)")
         parallel.add_argument(
             "--tensor-parallel-size",
             "-tp",

@@ -20,7 +20,7 @@ from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
-from hearth.engine.spec import Speculator
+from hearth.engine.speculative import Speculator
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hearth.engine.tier_connector import TierConnector

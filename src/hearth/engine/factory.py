@@ -11,12 +11,11 @@ import time
 
 import torch
 
-from hearth.distributed.topology import ParallelConfig
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
 from hearth.engine.kv_connector import KVConnector
 from hearth.engine.scheduler import Scheduler
-from hearth.engine.spec import Speculator, build_proposer
+from hearth.engine.speculative import Speculator, build_proposer
 from hearth.engine.structured_output import StructuredOutputManager
 from hearth.engine.worker import Worker, kv_layout_for
 from hearth.kv.faults import KVFaultInjector
@@ -26,6 +25,7 @@ from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.device import resolve_dtype
 from hearth.model.tokenizer import Tokenizer
 from hearth.ops.cpu_capability import log_cpu_capability
+from hearth.parallel.topology import ParallelConfig
 
 logger = logging.getLogger("hearth.engine")
 
@@ -33,10 +33,10 @@ GIB = 1 << 30
 
 
 def plan_pipeline(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> EngineConfig:
-    """The config with its pipeline stages' layers balanced by measured cost (`hearth.distributed.pipeline`),
+    """The config with its pipeline stages' layers balanced by measured cost (`hearth.engine.ranks.pipeline`),
     for a full decode batch cut in micro-batches."""
-    from hearth.distributed.microbatch import resolve_micro_batches
-    from hearth.distributed.pipeline import plan_stages
+    from hearth.engine.ranks.microbatch import resolve_micro_batches
+    from hearth.engine.ranks.pipeline import plan_stages
     from hearth.engine.worker import resolve_device
 
     pp = config.pipeline_parallel_size
@@ -44,7 +44,7 @@ def plan_pipeline(config: EngineConfig, model_config: ModelConfig, dtype: torch.
     tokens = max(1, min(config.max_num_seqs, config.max_num_batched_tokens) // micro_batches)
     device = resolve_device(config.device)
     if device.type == "cpu":  # measured with the threads a rank will have (its worker sets them again)
-        from hearth.distributed.executor import rank_threads
+        from hearth.engine.ranks.executor import rank_threads
 
         torch.set_num_threads(rank_threads(config, ParallelConfig.from_engine_config(config)))
     layers, _ = plan_stages(model_config, pp, dtype, device, tokens)
@@ -56,10 +56,10 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.node_rank != 0:
         raise ValueError(
             f"node_rank {config.node_rank}: only node 0 runs the engine; other nodes run their ranks "
-            "(`hearth serve --node-rank N ...` or `python -m hearth.distributed.node`)"
+            "(`hearth serve --node-rank N ...` or `python -m hearth.engine.ranks.node`)"
         )
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1 and config.master_port is None:
-        from hearth.distributed.executor import free_port
+        from hearth.engine.ranks.executor import free_port
 
         config = dataclasses.replace(config, master_port=free_port())
     parallel = ParallelConfig.from_engine_config(config)
@@ -90,7 +90,7 @@ def build_engine(config: EngineConfig) -> Engine:
     sample_vocab = min(model_config.vocab_size, tokenizer.vocab_size)
     worker: Worker
     if parallel.is_parallel:
-        from hearth.distributed.executor import DistributedExecutor, WorkerSpec
+        from hearth.engine.ranks.executor import DistributedExecutor, WorkerSpec
 
         spec = WorkerSpec(
             config,

@@ -83,7 +83,7 @@ class EngineStats(msgspec.Struct):
     cached_tokens_total: int
     generation_tokens_total: int
     num_preemptions_total: int
-    # Speculative decoding (hearth.engine.spec): the method ("" when off) and its counters.
+    # Speculative decoding (hearth.engine.speculative): the method ("" when off) and its counters.
     spec_method: str = ""
     spec_num_drafts_total: int = 0  # verified rows that carried drafts
     spec_draft_tokens_total: int = 0

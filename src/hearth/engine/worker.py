@@ -8,7 +8,7 @@ Rows with draft tokens: a row with k drafts has 1 + k logits positions, each pro
 parameters (penalties and min_tokens counting the drafts before it). A greedy row keeps the longest run
 that agrees with the drafts plus the token after it: `sampled[:j + 1]` where j is the number of leading
 positions with `sampled[i] == draft[i]` (exact). A sampled row is verified by rejection sampling
-(`hearth.engine.spec.rejection`), which keeps the target's distribution.
+(`hearth.engine.speculative.rejection`), which keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -20,18 +20,16 @@ from collections.abc import Callable, Iterable
 import msgspec
 import torch
 
-from hearth.distributed.microbatch import forward_micro_batches, resolve_micro_batches
-from hearth.distributed.pipeline import stage_layers
-from hearth.distributed.state import parallel_state
-from hearth.distributed.topology import rank_kv_heads
 from hearth.engine.config import EngineConfig
+from hearth.engine.fp8_kv_scales import init_fp8_kv_scales
 from hearth.engine.kv_integrity import without_rows
 from hearth.engine.outputs import TokenLogprob
+from hearth.engine.ranks.microbatch import forward_micro_batches, resolve_micro_batches
+from hearth.engine.ranks.pipeline import stage_layers
 from hearth.engine.sampler import Sampler, SamplingRow, make_generator
-from hearth.engine.spec.rejection import rejection_sample
+from hearth.engine.speculative.rejection import rejection_sample
 from hearth.engine.step_input import StepInput, StepSamplingRow
 from hearth.engine.structured_output import apply_bitmask
-from hearth.kv.fp8_scales import init_fp8_kv_scales
 from hearth.kv.integrity import PageTagMismatch, make_page_tag_check
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
 from hearth.model.config import ModelConfig
@@ -39,6 +37,8 @@ from hearth.model.loader import load_model
 from hearth.model.quantization.select import resolve_quantization
 from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
+from hearth.parallel.state import parallel_state
+from hearth.parallel.topology import rank_kv_heads
 
 logger = logging.getLogger("hearth.worker")
 
@@ -110,7 +110,7 @@ class Worker:
         parallel = parallel_state()
         stage = stage_layers(model_config, parallel.pp_size, config.pipeline_stage_layers)[parallel.pp_rank]
         self.is_sampling_rank = parallel.is_sampling_rank
-        # Pipeline stages overlap on micro-batches of each step (hearth.distributed.microbatch).
+        # Pipeline stages overlap on micro-batches of each step (hearth.engine.ranks.microbatch).
         self.micro_batches = resolve_micro_batches(config.pipeline_micro_batches, parallel.pp_size)
         quantization, quant_config = resolve_quantization(config.quantization, config.model)
         self.model = load_model(
@@ -189,7 +189,7 @@ class Worker:
     def _run(self, step: StepInput) -> StepOutput:
         logits = self.forward(step)
         if logits is None or not step.sampling or not self.is_sampling_rank:
-            return StepOutput([])  # another rank samples (see hearth.distributed.executor)
+            return StepOutput([])  # another rank samples (see hearth.engine.ranks.executor)
         if step.bitmask_rows:
             words = torch.frombuffer(bytearray(step.bitmask), dtype=torch.int32)
             apply_bitmask(logits, step.bitmask_rows, words.view(len(step.bitmask_rows), -1))
@@ -235,7 +235,7 @@ class Worker:
     def _sample(self, logits: torch.Tensor, sampling: list[StepSamplingRow]) -> StepOutput:
         """Greedy rows and rows without drafts go through the sampler in one batch (a greedy row keeps the run
         of drafts that agree with its argmax: exact); sampled rows with drafts are verified by rejection
-        sampling, which keeps the target's distribution (`hearth.engine.spec.rejection`)."""
+        sampling, which keeps the target's distribution (`hearth.engine.speculative.rejection`)."""
         rows: list[SamplingRow] = []  # the batched sampler's rows, one per logits position it samples
         plain_positions: list[int] = []
         verified: dict[int, tuple[list[int], list[TokenLogprob] | None]] = {}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from hearth.kv.fp8 import FP8_MAX, is_fp8
 from hearth.kv.pool import KVPool
+from hearth.ops.fp8 import FP8_MAX, is_fp8
 
 Scales = tuple[torch.Tensor, torch.Tensor]  # (K, V), float32 [num_layers, num_kv_heads]
 

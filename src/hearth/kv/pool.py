@@ -13,8 +13,8 @@ from typing import Literal
 import torch
 
 from hearth.kv.dtypes import KVCacheDtypeError, check_kv_cache_dtype
-from hearth.kv.fp8 import FP8_DTYPE, is_fp8, quantize_fp8
 from hearth.ops.attention.backend import as_copyable, write_kv
+from hearth.ops.fp8 import FP8_DTYPE, is_fp8, quantize_fp8
 
 __all__ = ["KVCacheDtypeError", "KVLayout", "KVPool", "resolve_kv_dtype"]
 
@@ -91,7 +91,7 @@ class KVPool:
     - `page_tags[page]` (int64, on the pool's device) is the generation tag the allocator gave the page's
       current holder; `set_page_tags` writes them as pages are handed out, the integrity check reads them.
     - `k_scales`/`v_scales` (float32 `[num_layers, num_kv_heads]`) are None for unquantized dtypes. An FP8
-      pool refuses to store until `set_scales` gave it measured ones (`hearth.kv.fp8_scales`); `store`
+      pool refuses to store until `set_scales` gave it measured ones (`hearth.engine.fp8_kv_scales`); `store`
       divides by them, readers multiply (`kv_scales(layer)`); `read_pages`/`write_pages` move the stored
       values as they are (`hearth.kv.convert` converts between pools of different dtypes).
 

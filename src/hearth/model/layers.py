@@ -12,8 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.distributed.state import all_reduce_tp
-from hearth.kv.fp8 import is_fp8
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.lazy_tensor import materialize
 from hearth.model.quantization.registry import QuantizationMethod
@@ -22,8 +20,10 @@ from hearth.model.rotary import apply_rotary
 from hearth.model.weights import ShardId, TPRank, WeightShapeError, divide, set_weight_attrs
 from hearth.ops.attention import AttentionContext
 from hearth.ops.cpu_kernels import rms_norm_kernel, rotary_write_kv_fp8_kernel, rotary_write_kv_kernel
+from hearth.ops.fp8 import is_fp8
 from hearth.ops.linear import LinearWeights
 from hearth.ops.triton import use_triton_kernels
+from hearth.parallel.state import all_reduce_tp
 
 ACTIVATIONS = {
     "silu": F.silu,

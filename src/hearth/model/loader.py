@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hearth.kv.fp8_scales import kv_scale_target
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.decoder import CausalLM, MissingLayer
+from hearth.model.kv_scale_names import kv_scale_target
 from hearth.model.layers import LayerOptions
 from hearth.model.lazy_tensor import LOADED_BYTES, LazyTensor
 from hearth.model.quantization import get_quantization_method
@@ -126,10 +126,12 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False)
     files = checkpoint_files(Path(model_dir))
     params = dict(model.named_parameters(remove_duplicate=False))
     elsewhere = tuple(
-        f"{name}." for name, module in model.named_modules(remove_duplicate=False) if isinstance(module, MissingLayer)
+        f"{name}."
+        for name, module in model.named_modules(remove_duplicate=False)
+        if isinstance(module, MissingLayer)
     )
     loaded: set[tuple[str, ShardId | None]] = set()
-    # FP8 KV-cache scales are not parameters: set aside for the KV pool (`hearth.kv.fp8_scales`).
+    # FP8 KV-cache scales are not parameters: set aside for the KV pool (`hearth.engine.fp8_kv_scales`).
     model.checkpoint_kv_scales = {}
     bar = None
     if progress:

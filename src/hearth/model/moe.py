@@ -19,13 +19,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from hearth.distributed.state import all_reduce_ep, all_reduce_tp, parallel_state
 from hearth.model.config import ModelConfig, ModelLoadError, MoEConfig
 from hearth.model.decoder import CausalLM
 from hearth.model.layers import ACTIVATIONS, MLP, Attention, DecoderLayer, LayerOptions, RMSNorm
 from hearth.model.lazy_tensor import LazyTensor, materialize
 from hearth.model.weights import ShardId, TPRank, WeightShapeError, divide, set_weight_attrs
 from hearth.ops.moe import fused_moe
+from hearth.parallel.state import all_reduce_ep, all_reduce_tp, parallel_state
 
 # `model.layers.3.mlp.experts.17.gate_proj.weight` -> stacked parameter `...experts.gate_up_proj`, part "gate:17"
 _EXPERT_TENSOR = re.compile(

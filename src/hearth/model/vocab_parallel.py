@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.distributed.state import all_gather_tp, all_reduce_tp
 from hearth.model.lazy_tensor import materialize
 from hearth.model.weights import ShardId, TPRank, WeightShapeError, set_weight_attrs
+from hearth.parallel.state import all_gather_tp, all_reduce_tp
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -14,7 +14,7 @@ Python loop over experts, which on a GPU costs two launches per expert per layer
 
 Expert parallelism: a rank holds experts `[first_expert, first_expert + num_local_experts)`; pairs
 routed to other ranks' experts are dropped here (they contribute zero), and the caller sums the
-ranks' outputs (`hearth.distributed.state.all_reduce_ep`).
+ranks' outputs (`hearth.parallel.state.all_reduce_ep`).
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if engine_config.node_rank > 0:  # this host only runs ranks; node 0 serves the API
-        from hearth.distributed.node import run_node
+        from hearth.engine.ranks.node import run_node
 
         return run_node(engine_config)
     server_config = ServerConfig(

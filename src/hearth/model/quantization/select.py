@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hearth.engine.config import QUANTIZATION_CHOICES
 from hearth.model.config import ModelLoadError
+
+QUANTIZATION_CHOICES = ("auto", "none", "int4", "gptq", "awq", "compressed-tensors", "fp8")
 
 _INT4_FORMATS = ("gptq", "awq", "compressed-tensors")
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hearth.kv.fp8 import is_fp8
 from hearth.ops.attention.backend import AttentionMetadata, AttentionStepInput, PagedKVCache
 from hearth.ops.attention.torch_ref import TorchMetadata, TorchRefBackend
 from hearth.ops.cpu_kernels import (
@@ -30,6 +29,7 @@ from hearth.ops.cpu_kernels import (
     paged_decode_attention_fp8_kernel,
     paged_decode_attention_kernel,
 )
+from hearth.ops.fp8 import is_fp8
 
 
 def _bf16_decode(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -1,7 +1,7 @@
 """Where this process sits in tensor / pipeline / expert parallelism, and the collectives models call.
 
 Models and layers ask this module, never torch.distributed directly, so the same model code runs on
-one process (every collective is the identity) and on N ranks (`hearth.distributed.groups` sets the
+one process (every collective is the identity) and on N ranks (`hearth.parallel.groups` sets the
 groups up and calls `set_parallel_state`).
 
 Contract:
@@ -18,7 +18,7 @@ Contract:
   read it to compare TP and PP traffic per token).
 - `PIPELINE_TIME_S` adds up, per rank, the seconds a pipeline stage spent blocked receiving its input
   (`recv_wait_s`: the stage idles) and waiting for its sends (`send_wait_s`), and in the forward in all
-  (`forward_s`, from `hearth.distributed.microbatch`).
+  (`forward_s`, from `hearth.engine.ranks.microbatch`).
 """
 
 from __future__ import annotations

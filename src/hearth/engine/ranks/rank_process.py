@@ -1,5 +1,5 @@
-"""One rank other than rank 0: `python -m hearth.distributed.rank_process`, started by rank 0's
-executor (or, on another host, by `hearth.distributed.node`). Not meant to be run by hand.
+"""One rank other than rank 0: `python -m hearth.engine.ranks.rank_process`, started by rank 0's
+executor (or, on another host, by `hearth.engine.ranks.node`). Not meant to be run by hand.
 
 It joins the deployment, builds its worker from the spec rank 0 broadcasts, then runs every step rank
 0 broadcasts until told to stop. Any error exits with status 1 (its supervisor stops the rest), and it
@@ -18,15 +18,15 @@ import time
 
 import msgspec
 
-from hearth.distributed.channel import broadcast_bytes
-from hearth.distributed.executor import WorkerSpec, build_worker
-from hearth.distributed.groups import init_rank
-from hearth.distributed.groups import shutdown as leave_group
-from hearth.distributed.state import PIPELINE_TIME_S
-from hearth.distributed.step_channel import rank_channel
-from hearth.distributed.topology import ParallelConfig
+from hearth.engine.ranks.executor import WorkerSpec, build_worker
+from hearth.engine.ranks.step_channel import rank_channel
 from hearth.engine.step_input import StepInput
 from hearth.engine.worker import resolve_device
+from hearth.parallel.channel import broadcast_bytes
+from hearth.parallel.groups import init_rank
+from hearth.parallel.groups import shutdown as leave_group
+from hearth.parallel.state import PIPELINE_TIME_S
+from hearth.parallel.topology import ParallelConfig
 
 logger = logging.getLogger("hearth.distributed")
 PARENT_POLL_INTERVAL_S = 0.5
@@ -67,7 +67,7 @@ def log_rank_report(rank: int, worker: object) -> None:
     import json
     import resource
 
-    from hearth.distributed.state import COMM_BYTES
+    from hearth.parallel.state import COMM_BYTES
 
     model = worker.model  # type: ignore[attr-defined]
     report = {
@@ -81,7 +81,7 @@ def log_rank_report(rank: int, worker: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hearth.distributed.rank_process")
+    parser = argparse.ArgumentParser(prog="python -m hearth.engine.ranks.rank_process")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--parallel", required=True, help="ParallelConfig as JSON")
     parser.add_argument("--device", default="auto")

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from hearth.engine.config import EngineConfig
-from hearth.engine.spec.lean_draft import CONTEXT_WINDOW_TOKENS, LeanDraftRunner, LeanSequence
-from hearth.engine.spec.paged_rows import decode_rows_first, proposer_step_input
-from hearth.engine.spec.proposer import ProposalRequest, Proposer
-from hearth.engine.spec.registry import register_proposer
+from hearth.engine.speculative.lean_draft import CONTEXT_WINDOW_TOKENS, LeanDraftRunner, LeanSequence
+from hearth.engine.speculative.paged_rows import decode_rows_first, proposer_step_input
+from hearth.engine.speculative.proposer import ProposalRequest, Proposer
+from hearth.engine.speculative.registry import register_proposer
 from hearth.kv.manager import KVCacheManager
 from hearth.model.config import ModelConfig, ModelLoadError
 

@@ -27,9 +27,9 @@ import torch
 from hearth.engine.config import EngineConfig
 from hearth.engine.request import RequestStatus
 from hearth.engine.scheduler import ScheduledRequest
-from hearth.engine.spec.paged_rows import decode_rows_first, proposer_step_input
-from hearth.engine.spec.proposer import ProposalRequest, Proposer
-from hearth.engine.spec.registry import register_proposer
+from hearth.engine.speculative.paged_rows import decode_rows_first, proposer_step_input
+from hearth.engine.speculative.proposer import ProposalRequest, Proposer
+from hearth.engine.speculative.registry import register_proposer
 from hearth.engine.step_input import StepInput
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype

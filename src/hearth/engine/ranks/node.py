@@ -1,6 +1,6 @@
 """A node other than node 0 of a multi-host deployment: it runs this host's ranks and nothing else
 (node 0 runs the engine core and the API). `hearth serve --nnodes N --node-rank K ...` with K > 0
-comes here, as does `python -m hearth.distributed.node` with the same options.
+comes here, as does `python -m hearth.engine.ranks.node` with the same options.
 
 It supervises its ranks like rank 0's executor does: one that fails stops the others and the node
 exits with status 1; when node 0 stops them, every rank exits 0 and so does the node.
@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 
-from hearth.distributed.executor import WATCH_INTERVAL_S, spawn_rank, stop_processes
-from hearth.distributed.topology import ParallelConfig
 from hearth.engine.config import EngineConfig
+from hearth.engine.ranks.executor import WATCH_INTERVAL_S, spawn_rank, stop_processes
+from hearth.parallel.topology import ParallelConfig
 
 logger = logging.getLogger("hearth.distributed")
 
@@ -69,7 +69,7 @@ def run_node(config: EngineConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hearth.distributed.node")
+    parser = argparse.ArgumentParser(prog="python -m hearth.engine.ranks.node")
     EngineConfig.add_cli_arguments(parser, require_model=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [node]: %(message)s")

@@ -1,7 +1,7 @@
 """Which decoder layers each pipeline stage holds.
 
 The engine core decides once, at start (`plan_stages`): layers split so that the stages' estimated
-times per step are as equal as they can be (`hearth.distributed.stage_cost`: weights by kind, seconds
+times per step are as equal as they can be (`hearth.engine.ranks.stage_cost`: weights by kind, seconds
 per parameter measured on this device), and every rank gets the result in its `EngineConfig`
 (`pipeline_stage_layers`: layers per stage), so all ranks and the KV cache sizing agree.
 `--pipeline-stage-layers` sets it by hand.
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from hearth.distributed.stage_cost import StageCosts, calibrate, layer_weights, stage_seconds, step_costs
-from hearth.distributed.topology import split_layers
+from hearth.engine.ranks.stage_cost import StageCosts, calibrate, layer_weights, stage_seconds, step_costs
 from hearth.model.config import ModelConfig
+from hearth.parallel.topology import split_layers
 
 logger = logging.getLogger("hearth.distributed")
 

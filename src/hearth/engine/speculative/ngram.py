@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hearth.engine.spec.proposer import ProposalRequest, Proposer
-from hearth.engine.spec.registry import register_proposer
+from hearth.engine.speculative.proposer import ProposalRequest, Proposer
+from hearth.engine.speculative.registry import register_proposer
 
 
 def lookup(token_ids: list[int] | np.ndarray, num_tokens: int, min_n: int = 2, max_n: int = 4) -> list[int]:

@@ -1,7 +1,7 @@
 """Rank 0's side of a parallel deployment, in the engine-core process: it starts and supervises this
 node's other ranks, joins them, and stands in for the `Worker` the engine steps (`execute(step)`).
 
-Each step: the `StepInput` is broadcast to every rank (`hearth.distributed.channel`), rank 0 runs its
+Each step: the `StepInput` is broadcast to every rank (`hearth.parallel.channel`), rank 0 runs its
 own shard, and when rank 0 is not the sampling rank (pipeline parallelism: the last stage samples) the
 sampled tokens come back from that rank.
 
@@ -30,16 +30,16 @@ from typing import Any
 import msgspec
 import torch
 
-from hearth.distributed.channel import broadcast_bytes
-from hearth.distributed.groups import init_rank
-from hearth.distributed.groups import shutdown as leave_group
-from hearth.distributed.state import PIPELINE_TIME_S
-from hearth.distributed.step_channel import CoreChannel, channel_kind, core_channel
-from hearth.distributed.topology import ParallelConfig
 from hearth.engine.config import EngineConfig
+from hearth.engine.ranks.step_channel import CoreChannel, channel_kind, core_channel
 from hearth.engine.step_input import StepInput
 from hearth.engine.worker import StepOutput, Worker, kv_layout_for, resolve_device
 from hearth.model.config import ModelConfig
+from hearth.parallel.channel import broadcast_bytes
+from hearth.parallel.groups import init_rank
+from hearth.parallel.groups import shutdown as leave_group
+from hearth.parallel.state import PIPELINE_TIME_S
+from hearth.parallel.topology import ParallelConfig
 
 logger = logging.getLogger("hearth.distributed")
 
@@ -56,7 +56,7 @@ class WorkerSpec(msgspec.Struct):
     max_model_len: int
     sample_vocab_size: int
     eos_token_ids: list[int]
-    # How steps reach the ranks (hearth.distributed.step_channel): "zmq" with rank 0's two endpoints, or "gloo".
+    # How steps reach the ranks (hearth.engine.ranks.step_channel): "zmq" with rank 0's two endpoints, or "gloo".
     step_channel: str = "gloo"
     step_endpoints: tuple[str, str] = ("", "")
 
@@ -98,7 +98,7 @@ def spawn_rank(rank: int, parallel: ParallelConfig, device: str) -> subprocess.P
     command = [
         sys.executable,
         "-m",
-        "hearth.distributed.rank_process",
+        "hearth.engine.ranks.rank_process",
         "--rank",
         str(rank),
         "--parallel",

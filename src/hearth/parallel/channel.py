@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hearth.distributed.groups import control_group
-from hearth.distributed.state import COMM_BYTES
+from hearth.parallel.groups import control_group
+from hearth.parallel.state import COMM_BYTES
 
 STOP = -1  # a length that says "no more steps: exit"
 

@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hearth.distributed.state import ParallelState, set_parallel_state
-from hearth.distributed.topology import ParallelConfig
+from hearth.parallel.state import ParallelState, set_parallel_state
+from hearth.parallel.topology import ParallelConfig
 
 logger = logging.getLogger("hearth.distributed")
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 import zmq
 import zmq.utils.monitor
 
-from hearth.distributed.channel import broadcast_bytes, recv_bytes, send_bytes
-from hearth.distributed.groups import COLLECTIVE_TIMEOUT_S, control_group
-from hearth.distributed.state import COMM_BYTES
+from hearth.parallel.channel import broadcast_bytes, recv_bytes, send_bytes
+from hearth.parallel.groups import COLLECTIVE_TIMEOUT_S, control_group
+from hearth.parallel.state import COMM_BYTES
 
 STEP, STOP, HELLO = b"s", b"x", b"h"
 HELLO_INTERVAL_S = 0.01

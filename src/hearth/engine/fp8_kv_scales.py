@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from pathlib import Path
 
 import torch
 
-from hearth.distributed.state import parallel_state
-from hearth.kv.fp8 import scales_from_amax
 from hearth.kv.pool import KVLayout, KVPool
+from hearth.ops.fp8 import scales_from_amax
+from hearth.parallel.state import parallel_state
 
 logger = logging.getLogger("hearth.kv")
-
-_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\..*?([kv])_scale$")
 
 # Mixed prose, code and chat markup, so the keys and values seen cover more than one kind of text.
 CALIBRATION_TEXT = (
@@ -37,14 +34,6 @@ CALIBRATION_TEXT = (
     "<|im_end|>\nUser: Summarise the meeting notes in three bullet points, please. 42 + 17 = 59; "
     "SELECT name, COUNT(*) FROM orders GROUP BY name ORDER BY 2 DESC LIMIT 10;\n"
 )
-
-
-def kv_scale_target(name: str) -> tuple[int, str] | None:
-    """(layer, "k" or "v") for a checkpoint KV-cache scale tensor's name, else None."""
-    match = _SCALE_NAME.search(name)
-    if match is None or ".weight_scale" in name or "input_scale" in name:
-        return None
-    return int(match.group(1)), match.group(2)
 
 
 def scales_from_checkpoint(

@@ -7,7 +7,7 @@ drains once per step: the engine's step is synchronous, schedule -> run -> proce
 
 How it overlaps: every stage runs the same loop over the same micro-batches (each rank cuts the step
 itself, with the same pure function), and a stage's send to the next is asynchronous
-(`hearth.distributed.state.send_to_next_stage`), so stage 0 goes on to micro-batch i+1 as soon as it
+(`hearth.parallel.state.send_to_next_stage`), so stage 0 goes on to micro-batch i+1 as soon as it
 has handed i over. The last stage concatenates each micro-batch's logits in order, which is the step's
 `logits_indices` order (rows are consecutive and a row's logits are its own last tokens), and samples
 once, with the whole step's sampling rows and grammar masks.
@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from hearth.distributed.state import PIPELINE_TIME_S, wait_for_sends
 from hearth.engine.step_input import StepInput
+from hearth.parallel.state import PIPELINE_TIME_S, wait_for_sends
 
 
 def resolve_micro_batches(requested: int, pp_size: int) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # this module stays torch-free: EngineConfig checks its sizes with it
-    from hearth.distributed.state import ParallelState
+    from hearth.parallel.state import ParallelState
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class ParallelConfig:
         return range(start, start + self.ranks_per_node)
 
     def state_of(self, rank: int) -> ParallelState:
-        from hearth.distributed.state import ParallelState
+        from hearth.parallel.state import ParallelState
 
         pp_rank, tp_rank = divmod(rank, self.tp_size)
         ep_size = self.tp_size if self.expert_parallel else 1

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from hearth.engine.request import Request
 from hearth.engine.scheduler import ScheduledRequest
-from hearth.engine.spec.proposer import ProposalRequest, Proposer
+from hearth.engine.speculative.proposer import ProposalRequest, Proposer
 
 _EMA_WEIGHT = 0.5  # weight of the newest step in the averages
 _OFF_RATE = 0.15

@@ -3,7 +3,7 @@
 This CPU has no FP8 math, so FP8 is a storage format only: keys and values are divided by their head's
 scale, saturated to the format's range (+-448; past it `.to(float8_e4m3fn)` would give NaN) and rounded to
 nearest; readers multiply back. A scale is always a measured one (checkpoint `k_scale`/`v_scale` or a
-calibration pass, `hearth.kv.fp8_scales`): a silent 1.0 clips or flushes whatever does not fit.
+calibration pass, `hearth.engine.fp8_kv_scales`): a silent 1.0 clips or flushes whatever does not fit.
 """
 
 from __future__ import annotations
