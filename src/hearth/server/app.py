@@ -94,7 +94,9 @@ def _attach_engine(state: ServerState, engine: AsyncEngine, model_dir: str) -> N
         engine.tokenizer, engine.max_model_len, state.config.allow_special_tokens_in_content
     )
     try:
-        state.chat_template = ChatTemplate.from_dir(model_dir, state.config.chat_template_path)
+        state.chat_template = ChatTemplate.from_dir(
+            state.config.tokenizer_dir or model_dir, state.config.chat_template_path
+        )
         if state.tool_parser is not None:
             state.tool_parser.adapt_to_template(state.chat_template.source)
     except (ChatTemplateError, OSError) as exc:

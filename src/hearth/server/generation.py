@@ -158,6 +158,14 @@ class Generation:
             self.state.metrics.rejected.inc()
             raise
         self._admitted = True
+        if self.state.config.log_requests:  # --enable-log-requests
+            logger.info(
+                "request %s: %d choice(s), prompt tokens %s, params %s",
+                self.request_id,
+                len(self.prompts),
+                [len(prompt) for prompt in self.prompts],
+                self.params[0],
+            )
         self.state.live.add(self)
         for choice in self._choices:
             self.state.load.start(choice.request_id, choice.prompt_tokens)
