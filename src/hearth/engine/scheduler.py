@@ -133,7 +133,12 @@ class Scheduler:
         while waiting and budget > 0 and len(running) + len(self.waiting_for_kv) < self.max_num_seqs:
             request = waiting[0]
             cached = pending = num_tier = 0
-            if request.num_computed_tokens == 0 and not request.page_ids:
+            # A request that wants prompt logprobs computes its whole prompt (hearth.engine.prompt_logprobs).
+            if (
+                request.num_computed_tokens == 0
+                and not request.page_ids
+                and request.params.prompt_logprobs is None
+            ):
                 prompt_len = request.num_prompt_tokens
                 cached = kv.match_prefix(request, prompt_len)
                 num_tier = kv.match_lower_tier(request, prompt_len)
