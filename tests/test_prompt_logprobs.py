@@ -39,7 +39,9 @@ def _run(llm: LLM, request_id: str, prompt: list[int], params: SamplingParams) -
 @pytest.fixture(scope="module")
 def llm(tiny_llama: Path) -> LLM:
     # 8 tokens a step: the 37-token prompt is prefilled in 5 chunks.
-    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory_gib=0.01, max_num_batched_tokens=8, page_size=4)
+    return LLM(
+        str(tiny_llama), dtype="float32", kv_cache_memory_gib=0.01, max_num_batched_tokens=8, page_size=4
+    )
 
 
 def _check(entries: list[TokenLogprob], expected: torch.Tensor, prompt: list[int], num_top: int) -> None:
