@@ -260,6 +260,10 @@ class Engine:
         return len(tokens), None
 
     def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> CoreOutput:
+        queue_time_s = None
+        if not request.queue_time_sent and request.queue_time_s is not None:
+            request.queue_time_sent = True
+            queue_time_s = request.queue_time_s
         return CoreOutput(
             request_id=request.request_id,
             new_token_ids=tokens,
@@ -269,6 +273,7 @@ class Engine:
             prompt_logprobs=prompt_logprobs.take(request)
             if request.params.prompt_logprobs is not None
             else None,
+            queue_time_s=queue_time_s,
         )
 
     def _finish(

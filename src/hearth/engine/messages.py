@@ -57,6 +57,9 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error_code: str | None = None  # with "error": a code for clients, e.g. "kv_integrity_error"
     kv_transfer_status: str | None = None  # PD prefill side, last output: "sent" or "failed"
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first output (hearth.engine.prompt_logprobs)
+    queue_time_s: float | None = (
+        None  # with the first output: seconds it waited before it was first scheduled
+    )
 
     @property
     def finished(self) -> bool:

@@ -123,6 +123,7 @@ class OutputProcessor:
             error_code=core.error_code,
             kv_transfer_status=core.kv_transfer_status,
             prompt_logprobs=core.prompt_logprobs,
+            queue_time_s=core.queue_time_s,
         )
 
     @staticmethod

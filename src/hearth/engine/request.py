@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from hearth.engine.messages import KVTransferParams
@@ -58,6 +59,10 @@ class Request:
     # `params.prompt_logprobs`: entries for prompt positions 0.. so far, sent once (hearth.engine.prompt_logprobs)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # Metrics (vLLM's request_queue_time_seconds): when it arrived, and how long it waited to be first scheduled.
+    arrival_s: float = field(default_factory=time.monotonic)
+    queue_time_s: float | None = None
+    queue_time_sent: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -19,6 +19,7 @@ rejected drafts, and newly full pages for the prefix cache.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -157,6 +158,8 @@ class Scheduler:
             if request.cached_tokens is None:
                 request.cached_tokens = cached
             request.status = RequestStatus.RUNNING
+            if request.queue_time_s is None:  # vllm:request_queue_time_seconds (its first admission only)
+                request.queue_time_s = time.monotonic() - request.arrival_s
             running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
@@ -241,6 +244,8 @@ class Scheduler:
         request.num_computed_tokens += num_tokens
         self.num_kv_recomputed_tokens += pending - num_tokens
         request.num_pending_kv_tokens = request.num_pending_tier_tokens = 0
+        if request.queue_time_s is None:
+            request.queue_time_s = time.monotonic() - request.arrival_s
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.kv.cache_full_pages(request)

@@ -220,6 +220,7 @@ class _Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finished: bool = False
+    queue_time_s: float = 0.0  # in the engine before it first ran (the engine reports it once)
 
 
 @dataclass(eq=False)  # kept in a set (ServerState.live): identity, not field equality
@@ -266,6 +267,10 @@ class Generation:
                 self.params[0],
             )
         self.state.live.add(self)
+        metrics = self.state.metrics
+        metrics.request_params_n.observe(len(self.prompts))
+        if self.params[0].max_tokens is not None:
+            metrics.request_params_max_tokens.observe(self.params[0].max_tokens)
         for choice in self._choices:
             self.state.load.start(choice.request_id, choice.prompt_tokens)
 
@@ -319,6 +324,9 @@ class Generation:
         now = time.perf_counter()
         metrics = self.state.metrics
         num_new = len(output.new_token_ids)
+        if output.queue_time_s is not None:
+            choice.queue_time_s = output.queue_time_s
+            metrics.queue_time_s.observe(output.queue_time_s)
         if num_new:
             if choice.first_token_s is None:
                 choice.first_token_s = now
@@ -339,6 +347,23 @@ class Generation:
             self.state.load.finish(choice.request_id)
             metrics.e2e_latency_s.observe(now - self.arrival_s)
             metrics.request_finished(output.finish_reason or "unknown")
+            self._observe_phases(choice)
+
+    def _observe_phases(self, choice: _Choice) -> None:
+        """vLLM's per-request histograms, once a choice has finished: queue, prefill, decode, inference."""
+        metrics = self.state.metrics
+        metrics.request_prompt_tokens.observe(choice.prompt_tokens)
+        metrics.request_generation_tokens.observe(choice.completion_tokens)
+        if choice.first_token_s is not None and choice.last_token_s is not None:
+            prefill_s = max(0.0, choice.first_token_s - self.arrival_s - choice.queue_time_s)
+            decode_s = choice.last_token_s - choice.first_token_s
+            metrics.prefill_time_s.observe(prefill_s)
+            metrics.decode_time_s.observe(decode_s)
+            metrics.inference_time_s.observe(prefill_s + decode_s)
+            if choice.completion_tokens > 1:
+                metrics.time_per_output_token_s.observe(decode_s / (choice.completion_tokens - 1))
+        if all(other.finished for other in self._choices):
+            metrics.request_max_num_generation_tokens.observe(max(c.completion_tokens for c in self._choices))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's outputs, merged in arrival order, as (choice index, output).
