@@ -223,3 +223,26 @@ def test_fields_that_change_nothing_are_accepted(http: httpx.Client) -> None:
         "user": "u",
     }
     assert http.post("/v1/completions", json=body).status_code == 200
+
+
+# ---- what vLLM users' probes and proxies expect ------------------------------------------------------
+
+
+def test_version_and_ping(http: httpx.Client) -> None:
+    import hearth
+
+    assert http.get("/version").json() == {"version": hearth.__version__}
+    assert http.get("/ping").status_code == 200
+    assert http.post("/ping").status_code == 200
+
+
+def test_x_request_id_is_echoed(http: httpx.Client) -> None:
+    response = http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={"X-Request-Id": "abc-1"}
+    )
+    assert response.headers["x-request-id"] == "abc-1"
+    refused = http.post(
+        "/v1/completions", json={"prompt": "hi", "best_of": 2}, headers={"X-Request-Id": "abc-2"}
+    )
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "abc-2"
+    assert "x-request-id" not in http.get("/health").headers
