@@ -143,3 +143,44 @@ def test_without_tools_the_text_is_returned_as_is(client: openai.OpenAI) -> None
     )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == "".join(ANSWER)
+
+
+def test_parallel_tool_calls_false_returns_at_most_one_call(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model="scripted",
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=20,
+        temperature=0.0,
+        parallel_tool_calls=False,
+    )
+    assert _calls(response.choices[0].message.tool_calls) == [CALL_1]
+    assert response.choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_streams_at_most_one_call(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="scripted",
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=20,
+        temperature=0.0,
+        parallel_tool_calls=False,
+        stream=True,
+    )
+    names = [
+        delta.function.name
+        for chunk in stream
+        for choice in chunk.choices
+        for delta in choice.delta.tool_calls or []
+        if delta.function.name
+    ]
+    assert names == ["get_weather"]
+
+
+def test_reasoning_effort_with_a_template_that_ignores_it_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="scripted", messages=MESSAGES, max_tokens=2, reasoning_effort="low"
+        )
+    assert refused.value.body["param"] == "reasoning_effort"

@@ -31,7 +31,7 @@ def _usage() -> str:
     for words, (_, help_text) in SUBCOMMANDS.items():
         lines.append(f"  {' '.join(words):<16} {help_text}")
     lines.append("")
-    lines.append("Run `hearth <command> --help` for a command's options.")
+    lines.append("Run `hearth <command> --help` for a command's options; `hearth --version` for the version.")
     return "\n".join(lines)
 
 
@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv[0] in ("-V", "--version", "version"):
+        import hearth
+
+        print(f"hearth {hearth.__version__}")
+        return 0
     matched = _match(argv)
     if matched is None:
         print(f"hearth: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
@@ -55,8 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     words, rest = matched
     module_name, help_text = SUBCOMMANDS[words]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog="hearth " + " ".join(words), description=help_text)
+    parser = argparse.ArgumentParser(
+        prog="hearth " + " ".join(words),
+        description=help_text,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     module.add_arguments(parser)
+    expand = getattr(module, "expand_config_file", None)  # `--config FILE` (hearth serve)
+    if expand is not None:
+        rest = expand(parser, rest)
     args = parser.parse_args(rest)
     return int(module.run(args) or 0)
 

@@ -12,6 +12,7 @@ from itertools import count
 
 import torch
 
+from hearth.engine import prompt_logprobs
 from hearth.engine.config import EngineConfig
 from hearth.engine.kv_connector import KVConnector, KVLoadCoordinator
 from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR, KVIntegrityPolicy
@@ -71,6 +72,7 @@ class Engine:
         self._totals = {"prompt": 0, "cached": 0, "generated": 0, "preempted": 0}
         # Last outputs of PD prefill requests whose KV is still being sent (see PeerKVConnector).
         self._deferred: dict[str, CoreOutput] = {}
+        self._prompt_logprobs = 0  # live requests that asked for prompt logprobs (issue 27): 0 costs nothing
         self.kv_transfer_endpoint: str | None = None  # decode role: set by the factory
 
     @property
@@ -120,6 +122,16 @@ class Engine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         prompt, params = request.prompt_token_ids, request.params
         check_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
+        if params.prompt_logprobs is not None:
+            if (
+                self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1
+                or self.config.role != "mixed"
+            ):
+                raise InvalidParamError(
+                    "prompt_logprobs",
+                    "prompt logprobs are not supported with tensor/pipeline parallelism or a PD role yet",
+                )
+            self._prompt_logprobs += 1
         self._requests[request.request_id] = state = Request(
             request_id=request.request_id,
             prompt_token_ids=list(prompt),
@@ -162,7 +174,13 @@ class Engine:
         self.kv_loads.start(scheduled.kv_loads)
         if not scheduled.scheduled:
             return sent
-        step_output = self.worker.execute(self.step_inputs.build(scheduled.scheduled, self.structured))
+        step_input = self.step_inputs.build(scheduled.scheduled, self.structured)
+        prompt_chunks = (
+            prompt_logprobs.plan(step_input, scheduled.scheduled) if self._prompt_logprobs else None
+        )
+        step_output = self.worker.execute(step_input)
+        if prompt_chunks:
+            prompt_logprobs.collect(prompt_chunks, step_output.prompt_logprobs)
         outputs = self._process_outputs(scheduled.scheduled, step_output)
         if self.speculator is not None:  # what the step cost decides whether drafts pay at this batch size
             self.speculator.step_finished(scheduled.scheduled, sum(len(o.new_token_ids) for o in outputs))
@@ -242,12 +260,20 @@ class Engine:
         return len(tokens), None
 
     def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> CoreOutput:
+        queue_time_s = None
+        if not request.queue_time_sent and request.queue_time_s is not None:
+            request.queue_time_sent = True
+            queue_time_s = request.queue_time_s
         return CoreOutput(
             request_id=request.request_id,
             new_token_ids=tokens,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.cached_tokens or 0,
             new_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs.take(request)
+            if request.params.prompt_logprobs is not None
+            else None,
+            queue_time_s=queue_time_s,
         )
 
     def _finish(
@@ -277,6 +303,8 @@ class Engine:
         if self.speculator is not None:
             self.speculator.request_finished(request.request_id)
         del self._requests[request.request_id]
+        if request.params.prompt_logprobs is not None:
+            self._prompt_logprobs -= 1
         self._totals["prompt"] += request.num_prompt_tokens
         self._totals["cached"] += request.cached_tokens or 0
         self._totals["generated"] += len(request.output_token_ids)
@@ -324,6 +352,8 @@ def check_request(
         raise InvalidParamError("prompt", "the prompt is empty")
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
         raise InvalidParamError("prompt", f"prompt token ids must be in [0, {vocab_size})")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size})")
     if len(prompt_token_ids) >= max_model_len:
         raise InvalidParamError(
             "prompt",

@@ -56,6 +56,10 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     ends_with_stop_token: bool = False  # the last token is EOS or a stop token: counted, not shown as text
     error_code: str | None = None  # with "error": a code for clients, e.g. "kv_integrity_error"
     kv_transfer_status: str | None = None  # PD prefill side, last output: "sent" or "failed"
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first output (hearth.engine.prompt_logprobs)
+    queue_time_s: float | None = (
+        None  # with the first output: seconds it waited before it was first scheduled
+    )
 
     @property
     def finished(self) -> bool:

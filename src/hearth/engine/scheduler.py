@@ -19,6 +19,7 @@ rejected drafts, and newly full pages for the prefix cache.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -133,7 +134,12 @@ class Scheduler:
         while waiting and budget > 0 and len(running) + len(self.waiting_for_kv) < self.max_num_seqs:
             request = waiting[0]
             cached = pending = num_tier = 0
-            if request.num_computed_tokens == 0 and not request.page_ids:
+            # A request that wants prompt logprobs computes its whole prompt (hearth.engine.prompt_logprobs).
+            if (
+                request.num_computed_tokens == 0
+                and not request.page_ids
+                and request.params.prompt_logprobs is None
+            ):
                 prompt_len = request.num_prompt_tokens
                 cached = kv.match_prefix(request, prompt_len)
                 num_tier = kv.match_lower_tier(request, prompt_len)
@@ -152,6 +158,8 @@ class Scheduler:
             if request.cached_tokens is None:
                 request.cached_tokens = cached
             request.status = RequestStatus.RUNNING
+            if request.queue_time_s is None:  # vllm:request_queue_time_seconds (its first admission only)
+                request.queue_time_s = time.monotonic() - request.arrival_s
             running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
@@ -236,6 +244,8 @@ class Scheduler:
         request.num_computed_tokens += num_tokens
         self.num_kv_recomputed_tokens += pending - num_tokens
         request.num_pending_kv_tokens = request.num_pending_tier_tokens = 0
+        if request.queue_time_s is None:
+            request.queue_time_s = time.monotonic() - request.arrival_s
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.kv.cache_full_pages(request)

@@ -81,6 +81,11 @@ class StepInput(msgspec.Struct, omit_defaults=True):
     bitmask_rows: list[int] = []
     bitmask: bytes = b""
     finished_request_ids: list[str] = []
+    # Prompt logprobs (hearth.engine.prompt_logprobs): flat-batch rows whose logits score the next prompt
+    # token, that token, and the most top alternatives any of them wants.
+    prompt_logits_indices: list[int] = []
+    prompt_logprob_token_ids: list[int] = []
+    prompt_logprob_top: int = 0
 
     @property
     def num_tokens(self) -> int:

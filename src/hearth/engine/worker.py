@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 import msgspec
 import torch
 
+from hearth.engine import prompt_logprobs
 from hearth.engine.config import EngineConfig
 from hearth.engine.fp8_kv_scales import init_fp8_kv_scales
 from hearth.engine.kv_integrity import without_rows
@@ -52,6 +53,8 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[list[TokenLogprob]] | None = None
     # Page table entries that failed the integrity check; their rows did not run (an empty token list).
     kv_mismatches: list[PageTagMismatch] = []
+    # One entry per `StepInput.prompt_logits_indices` row (hearth.engine.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -188,12 +191,26 @@ class Worker:
 
     def _run(self, step: StepInput) -> StepOutput:
         logits = self.forward(step)
+        prompt_entries = None
+        if step.prompt_logits_indices and logits is not None:  # issue 27: prompt logprobs, split off first
+            num_sampled = len(step.logits_indices)
+            prompt_entries = prompt_logprobs.compute(
+                logits[num_sampled:],
+                step.prompt_logprob_token_ids,
+                step.prompt_logprob_top,
+                self.sampler.vocab_size,
+            )
+            logits = logits[:num_sampled]
         if logits is None or not step.sampling or not self.is_sampling_rank:
-            return StepOutput([])  # another rank samples (see hearth.engine.ranks.executor)
+            return StepOutput(
+                [], prompt_logprobs=prompt_entries
+            )  # another rank samples (hearth.engine.ranks.executor)
         if step.bitmask_rows:
             words = torch.frombuffer(bytearray(step.bitmask), dtype=torch.int32)
             apply_bitmask(logits, step.bitmask_rows, words.view(len(step.bitmask_rows), -1))
-        return self._sample(logits, step.sampling)
+        output = self._sample(logits, step.sampling)
+        output.prompt_logprobs = prompt_entries
+        return output
 
     def _run_without(self, step: StepInput, mismatches: list[PageTagMismatch]) -> StepOutput:
         """The step without the failing rows; their sampling rows get no tokens."""
@@ -220,7 +237,13 @@ class Worker:
 
     def _forward_one(self, step: StepInput) -> torch.Tensor | None:
         num_tokens = len(step.token_ids)
-        ids = torch.tensor(step.token_ids + step.positions + step.logits_indices, dtype=torch.long)
+        # Prompt-logprob rows (issue 27) ride after the sampled ones; `_run` splits them off.
+        logits_indices = (
+            step.logits_indices + step.prompt_logits_indices
+            if step.prompt_logits_indices
+            else step.logits_indices
+        )
+        ids = torch.tensor(step.token_ids + step.positions + logits_indices, dtype=torch.long)
         if self.device.type == "cuda":  # pinned, so the copy is asynchronous
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         elif self.device.type != "cpu":

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import hearth
 from hearth.server.admission import AdmissionController
 from hearth.server.chat_template import ChatTemplate, ChatTemplateError, content_chars, normalize_messages
 from hearth.server.disconnect import QuietDisconnectMiddleware
@@ -72,6 +73,30 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class RequestIdMiddleware:
+    """Echoes a client's `X-Request-Id` on the response (as vLLM does), so a client or proxy can match them."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = next((value for key, value in scope["headers"] if key == b"x-request-id"), None)
+        text = request_id.decode("latin-1") if request_id is not None else ""
+        if not text or len(text) > 256 or not text.isascii() or not text.isprintable():
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 async def _parse(
     raw: Request, model: type[ModelT], config: ServerConfig, prompts: PromptTokenizer | None = None
 ) -> ModelT:
@@ -94,7 +119,9 @@ def _attach_engine(state: ServerState, engine: AsyncEngine, model_dir: str) -> N
         engine.tokenizer, engine.max_model_len, state.config.allow_special_tokens_in_content
     )
     try:
-        state.chat_template = ChatTemplate.from_dir(model_dir, state.config.chat_template_path)
+        state.chat_template = ChatTemplate.from_dir(
+            state.config.tokenizer_dir or model_dir, state.config.chat_template_path
+        )
         if state.tool_parser is not None:
             state.tool_parser.adapt_to_template(state.chat_template.source)
     except (ChatTemplateError, OSError) as exc:
@@ -174,6 +201,7 @@ def build_app(
     app.state.hearth = state
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware)
     app.add_middleware(QuietDisconnectMiddleware)  # added last: outermost of ours
 
     @app.exception_handler(APIError)
@@ -232,6 +260,16 @@ def build_app(
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": hearth.__version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) liveness probe: as /health, with an empty body."""
+        ready = state.engine_error is None and state.ready
+        return Response(status_code=200 if ready else 503)
 
     @app.get("/kv_transfer/endpoint")
     async def kv_transfer_endpoint() -> dict[str, Any]:

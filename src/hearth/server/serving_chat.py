@@ -22,10 +22,12 @@ from hearth.server.errors import APIError, bad_request
 from hearth.server.generation import (
     Generation,
     chat_logprobs,
+    check_logit_bias,
     engine_error,
     engine_failure,
     logger,
     new_request_id,
+    prompt_logprobs_entries,
     resolve_max_tokens,
     sampling_params,
     structured_output,
@@ -144,6 +146,7 @@ async def create_chat_completion(
         raise bad_request(state.chat_template_error or "this model has no chat template", "messages")
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    check_logit_bias(request, engine.vocab_size)
     plan = _ToolPlan(state, request)
     structured = structured_output(request)
     if structured is not None and plan.forced_prefix:
@@ -160,6 +163,14 @@ async def create_chat_completion(
             f"chat_template_kwargs may not set {', '.join(reserved)}: the chat template defines them",
             "chat_template_kwargs",
         )
+    template_kwargs = request.chat_template_kwargs
+    if request.reasoning_effort is not None:
+        # As vLLM: the template decides what an effort means; one that never reads it cannot honour it.
+        if "reasoning_effort" not in template.source:
+            raise bad_request(
+                "reasoning_effort: this model's chat template takes no reasoning effort", "reasoning_effort"
+            )
+        template_kwargs = {**(template_kwargs or {}), "reasoning_effort": request.reasoning_effort}
     prompts = state.require_prompts()
     num_chars = content_chars(request.messages)
     prompts.check_fits(num_chars, "messages")  # before anything is rendered or tokenized
@@ -173,7 +184,7 @@ async def create_chat_completion(
                 tools=prompts.escape_specials(tools),
                 add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
                 continue_final_message=request.continue_final_message,
-                template_kwargs=request.chat_template_kwargs,
+                template_kwargs=template_kwargs,
             )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
@@ -232,11 +243,16 @@ async def _complete(
     texts = [""] * n
     logprobs: list[list[Any]] = [[] for _ in range(n)]
     finish: list[tuple[str | None, str | int | None]] = [(None, None)] * n
+    prompt_entries = None
     try:
         async for index, output in generation.outputs():
             failure = engine_failure(output)
             if failure is not None:
                 raise failure
+            if output.prompt_logprobs is not None and prompt_entries is None:
+                prompt_entries = prompt_logprobs_entries(
+                    state, generation.prompts[index], output.prompt_logprobs
+                )
             texts[index] += output.new_text
             if output.new_logprobs:
                 logprobs[index].extend(output.new_logprobs)
@@ -253,6 +269,8 @@ async def _complete(
         calls: list[ParsedToolCall] = []
         if extractor is not None:
             content, calls = extract_all(extractor, texts[index])
+            if not request.parallel_tool_calls:
+                calls = calls[:1]  # parallel_tool_calls=false: at most one call
             message["content"] = content
             if calls:
                 message["tool_calls"] = [
@@ -279,6 +297,8 @@ async def _complete(
         "choices": choices,
         "usage": generation.usage(),
     }
+    if request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_entries
     kv_transfer = generation.kv_transfer_answer()
     if kv_transfer is not None:
         body["kv_transfer"] = kv_transfer
@@ -338,6 +358,17 @@ async def _stream(
             else:
                 extracted = extractor.feed(output.new_text, final=output.finished)
                 content, calls = extracted.content, extracted.tool_calls
+                if not request.parallel_tool_calls:
+                    calls = calls[: max(0, 1 - num_calls[index])]  # at most one call
+            if output.prompt_logprobs is not None and request.prompt_logprobs is not None and index == 0:
+                payload = {
+                    **base,
+                    "choices": [],
+                    "prompt_logprobs": prompt_logprobs_entries(
+                        state, generation.prompts[index], output.prompt_logprobs
+                    ),
+                }
+                yield sse_event(payload)
             if content or logprobs is not None:
                 yield chunk(index, {"content": content}, logprobs=logprobs)
             if calls:

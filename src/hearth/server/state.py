@@ -32,6 +32,8 @@ class ServerConfig:
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413 before they are read
     body_read_timeout_s: float = 60.0  # a body not fully received by then gets 408
     allow_special_tokens_in_content: bool = False  # `<|im_start|>` in a message is text unless set
+    log_requests: bool = False  # --enable-log-requests: one log line per request
+    tokenizer_dir: str | None = None  # --tokenizer: where the chat template comes from (default: the model)
 
 
 @dataclass
