@@ -189,3 +189,30 @@ def test_vllm_adapter_is_sequential_and_hands_over_kv_transfer_params() -> None:
     assert decode["kv_transfer_params"] == {"remote_block_ids": [1]}
     with pytest.raises(ValueError, match="unknown PD protocol"):
         make_pd_adapter("mooncake-magic")
+
+
+def test_hearth_instructions_are_signed_for_the_peer_the_router_chose() -> None:
+    """The servers follow only signed instructions (hearth.kv_transfer.auth): each side's signature
+    names the transfer and the other side of the pair, so a client cannot redirect either."""
+    from hearth.kv_transfer.auth import instruction_refusal
+
+    secret = b"deployment"
+    adapter, pair = make_pd_adapter("hearth", secret), _pair()
+    prefill = adapter.prefill_body(CHAT, pair)["kv_transfer"]
+    decode = adapter.decode_body(CHAT, pair, None)["kv_transfer"]
+    assert (
+        instruction_refusal(
+            secret, "prefill", pair.transfer_id, pair.decode.url, prefill["expires"], prefill["signature"]
+        )
+        is None
+    )
+    assert (
+        instruction_refusal(
+            secret, "decode", pair.transfer_id, pair.prefill.url, decode["expires"], decode["signature"]
+        )
+        is None
+    )
+    assert instruction_refusal(
+        secret, "prefill", pair.transfer_id, "http://elsewhere:1", prefill["expires"], prefill["signature"]
+    )
+    assert "signature" not in make_pd_adapter("hearth").prefill_body(CHAT, pair)["kv_transfer"]

@@ -81,7 +81,7 @@ class Router:
         self.pool = pool
         self.policy: RoutingPolicy = make_policy(config.policy, config.balance)
         self.decode_policy = TokenAwarePolicy(config.balance)
-        self.adapter: PDAdapter = make_pd_adapter(config.pd_protocol)
+        self.adapter: PDAdapter = make_pd_adapter(config.pd_protocol, config.kv_transfer_secret)
         self.estimator: TokenEstimator = make_estimator(config.tokenizer_dir)
         self.keyer: PrefixKeyer = (
             TokenPageKeyer(config.model_id, config.page_size)

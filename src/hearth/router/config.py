@@ -27,3 +27,5 @@ class RouterConfig:
     prefix_index_blocks: int = 65536
     # Longest time to wait for the prefill side's usage before sending the decode side's as is.
     prefill_usage_wait_s: float = 30.0
+    # The deployment's KV transfer secret: the router signs Hearth PD instructions with it.
+    kv_transfer_secret: bytes | None = field(default=None, repr=False)
