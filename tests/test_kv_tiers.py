@@ -14,11 +14,12 @@ from kv_tier_helpers import fill_page, small_pool, spec_of
 from hearth.kv.prefix_keys import page_keys, root_key
 from hearth.kv.tiers import PageFormatError, PageSpec, TierStack, TierUnavailable, decode_page, encode_page
 from hearth.kv.tiers.base import KVTier
+from hearth.kv.tiers.blob_auth import OVERHEAD_BYTES
 from hearth.kv.tiers.disk import DiskTier
 from hearth.kv.tiers.host import HostTier
-from hearth.kv.tiers.redis_store import RedisTier
-from hearth.kv.tiers.registry import build_tiers
+from hearth.kv.tiers.registry import build_tiers, open_store
 
+SECRET = b"deployment secret"
 KEYS = page_keys(root_key("m", "layout"), list(range(64)), 4)  # 16 chained keys
 
 
@@ -103,7 +104,7 @@ def test_disk_tier_never_loads_a_damaged_page_file(tmp_path: Path, damage: str):
 
 def test_disk_tier_stays_within_its_size_evicting_least_recent(tmp_path: Path):
     spec = spec_of(small_pool())
-    blob_bytes = len(encode_page(spec, KEYS[0], page(spec, 0)))
+    blob_bytes = len(encode_page(spec, KEYS[0], page(spec, 0))) + OVERHEAD_BYTES  # the page and its MAC
     disk = DiskTier(spec, tmp_path / "b", capacity_bytes=3 * blob_bytes)
     disk.store([(KEYS[i], page(spec, i)) for i in range(3)])
     disk.load([KEYS[0]])
@@ -118,11 +119,11 @@ def test_disk_tier_stays_within_its_size_evicting_least_recent(tmp_path: Path):
 
 def test_redis_tier_shares_pages_between_clients_and_fails_as_unavailable(redis_server):
     spec = spec_of(small_pool())
-    writer, reader = RedisTier(spec, redis_server.url), RedisTier(spec, redis_server.url)
+    writer, reader = open_store(spec, redis_server.url, SECRET), open_store(spec, redis_server.url, SECRET)
     writer.store([(KEYS[i], page(spec, i)) for i in range(3)])
     assert reader.lookup(KEYS) == 3 and reader.knows(KEYS[0])
     assert [float(p.flatten()[0]) for p in reader.load(KEYS)] == [0.0, 1.0, 2.0]
-    other_layout = RedisTier(PageSpec("other", spec.dtype, spec.shape), redis_server.url)
+    other_layout = open_store(PageSpec("other", spec.dtype, spec.shape), redis_server.url, SECRET)
     assert other_layout.load(KEYS[:1]) == []  # same key, other layout: rejected by the header
     redis_server.stop()
     with pytest.raises(TierUnavailable):
@@ -134,7 +135,7 @@ def test_redis_tier_shares_pages_between_clients_and_fails_as_unavailable(redis_
 def test_unknown_store_scheme_is_a_clear_error():
     spec = spec_of(small_pool())
     with pytest.raises(ValueError, match="unknown scheme 'memcached'.*redis"):
-        build_tiers(spec, store_url="memcached://x:1")
+        build_tiers(spec, store_url="memcached://x:1", secret=SECRET)
 
 
 # ---- the stack ------------------------------------------------------------------------------------

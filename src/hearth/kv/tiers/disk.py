@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hearth.kv.tiers.base import KVTier, Page
+from hearth.kv.tiers.blob_auth import BlobMAC, local_key
 from hearth.kv.tiers.page_format import PageFormatError, PageSpec, decode_page, encode_page
 
 logger = logging.getLogger("hearth.kv.tiers")
@@ -33,7 +34,12 @@ class DiskTier(KVTier):
     name = "disk"
 
     def __init__(
-        self, spec: PageSpec, directory: str | Path, capacity_bytes: int, fsync: bool = False
+        self,
+        spec: PageSpec,
+        directory: str | Path,
+        capacity_bytes: int,
+        fsync: bool = False,
+        mac: BlobMAC | None = None,
     ) -> None:
         super().__init__(spec)
         self.directory = Path(directory)
@@ -43,6 +49,8 @@ class DiskTier(KVTier):
         self._used_bytes = 0
         self._lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
+        # Files are MAC'd (blob_auth): with the deployment secret, else with the directory's own key.
+        self.mac = mac if mac is not None else BlobMAC(local_key(self.directory))
         self._scan()
 
     def path(self, key: bytes) -> Path:
@@ -90,7 +98,7 @@ class DiskTier(KVTier):
                 self._index.move_to_end(key)
             try:
                 blob = self.path(key).read_bytes()
-                pages.append(decode_page(self.spec, key, blob))
+                pages.append(decode_page(self.spec, key, self.mac.open(key, blob)))
             except FileNotFoundError:
                 self._forget(key)
                 break
@@ -107,7 +115,7 @@ class DiskTier(KVTier):
                 if key in self._index:
                     self._index.move_to_end(key)
                     continue
-            blob = encode_page(self.spec, key, page)
+            blob = self.mac.seal(key, encode_page(self.spec, key, page))
             path = self.path(key)
             path.parent.mkdir(exist_ok=True)
             tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
