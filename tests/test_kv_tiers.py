@@ -280,3 +280,56 @@ def test_a_store_that_goes_down_is_skipped_then_tried_again():
         assert stack.lookup(KEYS[:3]) == 2
     finally:
         stack.close()
+
+
+class TinyFilesystem:
+    """A filesystem of `limit_bytes` (smaller than the tier's capacity): a write past it leaves a partial
+    temp file and fails with ENOSPC, as a real full disk does."""
+
+    def __init__(self, directory: Path, limit_bytes: int) -> None:
+        self.directory, self.limit_bytes = directory, limit_bytes
+
+    def __call__(self, tmp: Path, blob: bytes) -> None:
+        import errno
+        import os
+
+        used = sum(p.stat().st_size for p in self.directory.rglob("*") if p.is_file())
+        with open(tmp, "wb") as file:
+            file.write(blob[: max(0, min(len(blob), self.limit_bytes - used))])
+        if used + len(blob) > self.limit_bytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_filesystem_leaves_no_temp_files_evicts_and_keeps_writing(tmp_path: Path, caplog):
+    spec = spec_of(small_pool())
+    disk = DiskTier(spec, tmp_path, capacity_bytes=1 << 30)  # far more than the filesystem holds
+    blob_bytes = len(encode_page(spec, KEYS[0], page(spec, 0))) + OVERHEAD_BYTES
+    disk._write_file = TinyFilesystem(tmp_path, 6 * blob_bytes + 100)  # type: ignore[method-assign]
+    caplog.set_level("WARNING", logger="hearth.kv.tiers")
+    for i in range(16):
+        disk.store([(KEYS[i], page(spec, i))])
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert disk.capacity_bytes < 6 * blob_bytes  # lowered to what the filesystem holds
+    assert disk.knows(KEYS[15]) and not disk.knows(KEYS[0])  # the newest kept, the oldest evicted
+    assert float(disk.load([KEYS[15]])[0].flatten()[0]) == 15.0
+    assert len(caplog.records) <= 3 and not any(r.exc_info for r in caplog.records)
+
+
+def test_write_failures_are_counted_and_logged_once_per_cause_as_the_count_doubles(tmp_path: Path, caplog):
+    import errno
+
+    spec = spec_of(small_pool())
+    disk = DiskTier(spec, tmp_path, capacity_bytes=1 << 20)
+
+    def broken(tmp: Path, blob: bytes) -> None:
+        tmp.write_bytes(blob[:10])
+        raise OSError(errno.EIO, "Input/output error")
+
+    disk._write_file = broken  # type: ignore[method-assign]
+    caplog.set_level("WARNING", logger="hearth.kv.tiers")
+    disk.store([(KEYS[i % 16], page(spec, i)) for i in range(16)])
+    assert disk.snapshot().failed_writes == 16 and disk.usage() == (0, 0)
+    assert not list(tmp_path.rglob("*.tmp"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 5 and all("EIO" in m for m in messages)  # counts 1, 2, 4, 8, 16
+    assert "16 page write(s) failed" in messages[-1] and not any(r.exc_info for r in caplog.records)
