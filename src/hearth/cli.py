@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("bench", "compare"): ("hearth.bench.compare", "print ratios between two bench result files"),
     ("eval",): ("hearth.eval.cli", "quality of precision configurations against a reference"),
+    ("build-kernels",): ("hearth.build_kernels", "compile the CPU kernels ahead of the first server start"),
 }
 
 

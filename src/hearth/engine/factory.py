@@ -215,8 +215,16 @@ def _tier_connector(config: EngineConfig, kv: KVCacheManager, pool: KVPool, layo
 
     sample = pool.read_pages([0])  # pages move as the pool's raw storage, whatever its dtype
     spec = PageSpec(layout_tag, sample.dtype, tuple(sample.shape))
+    from hearth.kv_transfer.auth import SECRET_ENV, SECRET_FILE_ENV, read_secret
+
+    secret = read_secret(SECRET_ENV, SECRET_FILE_ENV)  # keys the MACs of stored pages (kv/tiers/blob_auth.py)
     tiers = build_tiers(
-        spec, config.kv_offload_memory_gib, config.kv_disk_dir, config.kv_disk_size_gib, config.kv_store
+        spec,
+        config.kv_offload_memory_gib,
+        config.kv_disk_dir,
+        config.kv_disk_size_gib,
+        config.kv_store,
+        secret.encode() if secret else None,
     )
     stack = TierStack(tiers, pool)
     kv.on_evict = stack.on_evict

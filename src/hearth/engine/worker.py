@@ -162,9 +162,9 @@ class Worker:
         self.after_forward: Callable[[StepInput], None] | None = None
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
-            # Compiled CPU kernels, loaded (or built, the first time) in the background so they never delay
-            # readiness; the torch paths serve until they are there.
-            cpu_kernels.start_build()
+            # Compiled CPU kernels, loaded (or built, the first time on a machine) before the server is
+            # ready: a compile never competes with serving. A failed build leaves the torch paths.
+            cpu_kernels.build_before_ready()
         logger.info(
             "worker on %s: attention backend %s, KV %s, weights %s",
             self.device,

@@ -57,6 +57,7 @@ RETURNED_HEADERS = ("x-request-id",)
 # aiohttp-client errors that mean a worker never answered (health checks, /v1/models).
 CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
 JSON_HEADER_LINE = b"content-type: application/json\r\n"
+PREFILL_HEALTH_POLL_S = 0.1  # how often a finished answer waiting for the prefill's usage checks its health
 
 
 class UpstreamFailed(Exception):
@@ -81,7 +82,7 @@ class Router:
         self.pool = pool
         self.policy: RoutingPolicy = make_policy(config.policy, config.balance)
         self.decode_policy = TokenAwarePolicy(config.balance)
-        self.adapter: PDAdapter = make_pd_adapter(config.pd_protocol)
+        self.adapter: PDAdapter = make_pd_adapter(config.pd_protocol, config.kv_transfer_secret)
         self.estimator: TokenEstimator = make_estimator(config.tokenizer_dir)
         self.keyer: PrefixKeyer = (
             TokenPageKeyer(config.model_id, config.page_size)
@@ -391,12 +392,10 @@ class Router:
                 errors.append(str(exc))
                 continue
 
-            async def cached_tokens(task: asyncio.Task[dict[str, Any] | None] = prefill_task) -> int | None:
-                try:
-                    result = await asyncio.wait_for(asyncio.shield(task), self.config.prefill_usage_wait_s)
-                except (asyncio.TimeoutError, asyncio.CancelledError):
-                    return None
-                return cached_tokens_of(result.get("usage")) if result else None
+            async def cached_tokens(
+                task: asyncio.Task[dict[str, Any] | None] = prefill_task, worker: Worker = prefill
+            ) -> int | None:
+                return await self._prefill_cached_tokens(task, worker)
 
             try:
                 return await self._relay(request, upstream, [decode_ticket], stream, cached_tokens)
@@ -407,6 +406,23 @@ class Router:
                     prefill_task.add_done_callback(self._background.discard)
         cause = "; ".join(errors) or "no healthy prefill/decode pair"
         return error_response(f"no prefill/decode pair could take the request: {cause}", 503, "no_worker")
+
+    async def _prefill_cached_tokens(
+        self, task: asyncio.Task[dict[str, Any] | None], worker: Worker
+    ) -> int | None:
+        """The prefill answer's cached tokens for the decode answer's usage. A finished answer waits for
+        them at most `prefill_usage_wait_s`, and not at all once the prefill server is seen unhealthy
+        (stopped or gone): then the decode side's usage goes out as it is."""
+        deadline_s = time.monotonic() + self.config.prefill_usage_wait_s
+        while not task.done():
+            remaining_s = deadline_s - time.monotonic()
+            if remaining_s <= 0 or not worker.healthy:
+                return None
+            await asyncio.wait({task}, timeout=min(remaining_s, PREFILL_HEALTH_POLL_S))
+        if task.cancelled() or task.exception() is not None:
+            return None
+        result = task.result()
+        return cached_tokens_of(result.get("usage")) if result else None
 
     async def _run_prefill(
         self, worker: Worker, path: str, data: bytes, headers: bytes, ticket: Ticket

@@ -139,7 +139,14 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-transfer-secret",
         default=None,
-        help="the deployment's shared KV transfer secret (default: $HEARTH_KV_TRANSFER_SECRET)",
+        help="the deployment's shared KV transfer secret; visible in `ps`: prefer --kv-transfer-secret-file "
+        "or $HEARTH_KV_TRANSFER_SECRET",
+    )
+    group.add_argument(
+        "--kv-transfer-secret-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the KV transfer secret (default: $HEARTH_KV_TRANSFER_SECRET_FILE)",
     )
     group.add_argument(
         "--kv-transfer-timeout",
@@ -377,13 +384,16 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_transfer_secret:
         # The engine core reads it from its environment: it never appears in its command line.
         os.environ["HEARTH_KV_TRANSFER_SECRET"] = args.kv_transfer_secret
-    if engine_config.role != "mixed" and not os.environ.get("HEARTH_KV_TRANSFER_SECRET"):
-        print(
-            f"hearth serve: --role {engine_config.role} needs the deployment's KV transfer secret: pass "
-            "--kv-transfer-secret or set $HEARTH_KV_TRANSFER_SECRET (the same on every server)",
-            file=sys.stderr,
-        )
-        return 2
+    if getattr(args, "kv_transfer_secret_file", None):
+        os.environ["HEARTH_KV_TRANSFER_SECRET_FILE"] = args.kv_transfer_secret_file
+    if engine_config.role != "mixed":
+        from hearth.kv_transfer.auth import MissingSecretError, deployment_secret
+
+        try:
+            deployment_secret()
+        except MissingSecretError as exc:
+            print(f"hearth serve: --role {engine_config.role}: {exc}", file=sys.stderr)
+            return 2
     if engine_config.node_rank > 0:  # this host only runs ranks; node 0 serves the API
         from hearth.engine.ranks.node import run_node
 

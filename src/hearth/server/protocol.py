@@ -182,6 +182,10 @@ class KVTransferField(_Model):
     transfer_id: Annotated[str, Field(min_length=1, max_length=128)]
     decode_url: str | None = None
     prefill_url: str | None = None
+    # The router's signature over role, transfer id, the peer URL and `expires` (hearth.kv_transfer.auth):
+    # an instruction without a valid one is refused, so a client cannot direct KV anywhere.
+    expires: int | None = None
+    signature: Annotated[str, Field(max_length=128)] | None = None
 
 
 class SamplingRequest(_Model):
