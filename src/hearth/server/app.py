@@ -30,6 +30,7 @@ from hearth.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from hearth.server.reasoning_parsers import get_reasoning_parser
 from hearth.server.serving_chat import create_chat_completion
 from hearth.server.serving_completion import create_completion
 from hearth.server.state import ServerConfig, ServerState
@@ -124,6 +125,7 @@ def build_app(
         metrics=metrics,
         admission=AdmissionController(max_running_seqs, config.max_waiting_seqs),
         tool_parser=get_tool_parser(config.tool_parser) if config.tool_parser else None,
+        reasoning_parser=get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None,
     )
     state_box["state"] = state
     if config.role == "prefill":

@@ -11,6 +11,7 @@ from hearth.server.chat_template import ChatTemplate
 from hearth.server.errors import APIError
 from hearth.server.load import LoadTracker
 from hearth.server.metrics import ServerMetrics
+from hearth.server.reasoning_parsers import ReasoningParser
 from hearth.server.tool_parsers import ToolParser
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting_seqs: int = 256
     tool_parser: str | None = "hermes"
+    reasoning_parser: str | None = None
     chat_template_path: str | None = None
     aliases: tuple[str, ...] = ()  # other names accepted as `model` (e.g. the checkpoint path)
     role: str = "mixed"  # prefill/decode disaggregation role (docs/pd-protocol.md)
@@ -44,6 +46,7 @@ class ServerState:
     chat_template: ChatTemplate | None = None
     chat_template_error: str | None = None
     tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None
     created_s: int = field(default_factory=lambda: int(time.time()))
     load_error: str | None = None
     prompts: PromptTokenizer | None = None  # set with the engine
