@@ -31,8 +31,11 @@ from hearth.server.protocol import (
     TokenizeRequest,
 )
 from hearth.server.reasoning_parsers import get_reasoning_parser
+from hearth.server.response_store import ResponseStore
+from hearth.server.responses_protocol import ResponsesRequest
 from hearth.server.serving_chat import create_chat_completion
 from hearth.server.serving_completion import create_completion
+from hearth.server.serving_responses import create_response, delete_response, get_response, input_items
 from hearth.server.state import ServerConfig, ServerState
 from hearth.server.tokenization import PromptTokenizer
 from hearth.server.tool_parsers import get_tool_parser
@@ -126,6 +129,7 @@ def build_app(
         admission=AdmissionController(max_running_seqs, config.max_waiting_seqs),
         tool_parser=get_tool_parser(config.tool_parser) if config.tool_parser else None,
         reasoning_parser=get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None,
+        responses=ResponseStore(config.max_stored_responses, config.stored_response_ttl_s),
     )
     state_box["state"] = state
     if config.role == "prefill":
@@ -199,6 +203,22 @@ def build_app(
         return await create_chat_completion(
             state, await _parse(raw, ChatCompletionRequest, config, state.prompts), raw
         )
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Response:
+        return await create_response(state, await _parse(raw, ResponsesRequest, config, state.prompts), raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw: Request) -> dict[str, Any]:
+        return get_response(state, response_id, raw)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str, raw: Request) -> dict[str, Any]:
+        return delete_response(state, response_id, raw)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, raw: Request) -> dict[str, Any]:
+        return input_items(state, response_id, raw)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

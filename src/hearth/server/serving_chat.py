@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -39,7 +40,7 @@ from hearth.server.tool_calls import ToolCallDelta, ToolCallExtractor, new_call_
 from hearth.server.tool_parsers import ParsedToolCall, ToolParser
 
 
-class _ToolPlan:
+class ToolPlan:
     """What the request's `tools` and `tool_choice` mean for this server's parser."""
 
     def __init__(self, state: ServerState, request: ChatCompletionRequest) -> None:
@@ -94,7 +95,7 @@ class _ToolPlan:
         )
 
 
-def output_parser(state: ServerState, plan: _ToolPlan, prompt_text: str) -> OutputParser:
+def output_parser(state: ServerState, plan: ToolPlan, prompt_text: str) -> OutputParser:
     """How one choice's text splits into reasoning, content and calls."""
     reasoning = state.reasoning_parser
     # A forced call starts the answer itself: there is no reasoning before it.
@@ -104,7 +105,7 @@ def output_parser(state: ServerState, plan: _ToolPlan, prompt_text: str) -> Outp
     return OutputParser(None if plan.forced_prefix else reasoning, in_reasoning, plan.extractor())
 
 
-def needs_special_tokens(state: ServerState, plan: _ToolPlan) -> bool:
+def needs_special_tokens(state: ServerState, plan: ToolPlan) -> bool:
     return (plan.parser is not None and plan.parser.needs_special_tokens) or (
         state.reasoning_parser is not None and state.reasoning_parser.needs_special_tokens
     )
@@ -171,16 +172,44 @@ def _finish_reason(engine_reason: str | None, has_calls: bool) -> str | None:
     return engine_reason
 
 
+@dataclass
+class ChatRun:
+    """A chat request rendered, tokenized and admitted: what every API front (chat, Responses, Messages)
+    streams or collects its answer from."""
+
+    generation: Generation
+    plan: ToolPlan
+    prompt_text: str
+
+    def output_parser(self, state: ServerState) -> OutputParser:
+        return output_parser(state, self.plan, self.prompt_text)
+
+
 async def create_chat_completion(
     state: ServerState, request: ChatCompletionRequest, raw: Request
 ) -> Response:
+    run = await prepare_chat(state, request, raw, "chatcmpl")
+    generation, plan = run.generation, run.plan
+    return await respond(
+        raw,
+        request.stream,
+        lambda: _stream(state, request, generation, plan, run.prompt_text),
+        lambda: _complete(state, request, generation, plan, run.prompt_text),
+        generation.close,
+    )
+
+
+async def prepare_chat(
+    state: ServerState, request: ChatCompletionRequest, raw: Request, id_prefix: str
+) -> ChatRun:
+    """Validate, render, tokenize and admit a chat request; the caller must `generation.close()` it."""
     state.check_model(request.model)
     engine = state.require_engine()
     if state.chat_template is None:
         raise bad_request(state.chat_template_error or "this model has no chat template", "messages")
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    plan = _ToolPlan(state, request)
+    plan = ToolPlan(state, request)
     structured = structured_output(request)
     if structured is not None and plan.forced_prefix:
         raise bad_request(
@@ -241,7 +270,7 @@ async def create_chat_completion(
         )
         for i in range(request.n)
     ]
-    request_id = new_request_id("chatcmpl")
+    request_id = new_request_id(id_prefix)
     affinity = raw.headers.get("x-session-affinity")
     if affinity:
         logger.info("request %s session-affinity=%s prompt_tokens=%d", request_id, affinity, len(prompt_ids))
@@ -254,20 +283,14 @@ async def create_chat_completion(
         kv_transfer=await engine_kv_transfer(state, request, request.n),
     )
     generation.admit()
-    return await respond(
-        raw,
-        request.stream,
-        lambda: _stream(state, request, generation, plan, rendered[0]),
-        lambda: _complete(state, request, generation, plan, rendered[0]),
-        generation.close,
-    )
+    return ChatRun(generation, plan, rendered[0])
 
 
 async def _complete(
     state: ServerState,
     request: ChatCompletionRequest,
     generation: Generation,
-    plan: _ToolPlan,
+    plan: ToolPlan,
     prompt_text: str,
 ) -> Response:
     n = request.n
@@ -329,7 +352,7 @@ async def _stream(
     state: ServerState,
     request: ChatCompletionRequest,
     generation: Generation,
-    plan: _ToolPlan,
+    plan: ToolPlan,
     prompt_text: str,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())

@@ -12,6 +12,7 @@ from hearth.server.errors import APIError
 from hearth.server.load import LoadTracker
 from hearth.server.metrics import ServerMetrics
 from hearth.server.reasoning_parsers import ReasoningParser
+from hearth.server.response_store import ResponseStore
 from hearth.server.tool_parsers import ToolParser
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ class ServerConfig:
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413 before they are read
     body_read_timeout_s: float = 60.0  # a body not fully received by then gets 408
     allow_special_tokens_in_content: bool = False  # `<|im_start|>` in a message is text unless set
+    max_stored_responses: int = 4096  # `store: true` Responses kept for previous_response_id (per server)
+    stored_response_ttl_s: float = 3600.0
 
 
 @dataclass
@@ -54,6 +57,7 @@ class ServerState:
     live: set[Generation] = field(default_factory=set)
     _token_text_cache: dict[int, str] = field(default_factory=dict)
     kv_peers: Any = None  # hearth.server.pd.KVPeers on a prefill server
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     @property
     def ready(self) -> bool:
