@@ -203,52 +203,8 @@ async def prepare_chat(
     state: ServerState, request: ChatCompletionRequest, raw: Request, id_prefix: str
 ) -> ChatRun:
     """Validate, render, tokenize and admit a chat request; the caller must `generation.close()` it."""
-    state.check_model(request.model)
+    prompt_ids, prompt_text, plan, structured = await render_chat(state, request)
     engine = state.require_engine()
-    if state.chat_template is None:
-        raise bad_request(state.chat_template_error or "this model has no chat template", "messages")
-    if request.top_logprobs and not request.logprobs:
-        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    plan = ToolPlan(state, request)
-    structured = structured_output(request)
-    if structured is not None and plan.forced_prefix:
-        raise bad_request(
-            "response_format json_object/json_schema cannot be combined with a forced tool_choice "
-            "('required' or a named function); drop one of them",
-            "response_format",
-        )
-    structured = structured or plan.grammar
-    template = state.chat_template
-    reserved = reserved_template_kwargs(request.chat_template_kwargs)
-    if reserved:
-        raise bad_request(
-            f"chat_template_kwargs may not set {', '.join(reserved)}: the chat template defines them",
-            "chat_template_kwargs",
-        )
-    prompts = state.require_prompts()
-    num_chars = content_chars(request.messages)
-    prompts.check_fits(num_chars, "messages")  # before anything is rendered or tokenized
-    rendered: list[str] = []
-
-    def render_and_encode() -> list[int]:
-        tools = [tool.model_dump(exclude_unset=True) for tool in request.tools] if request.tools else None
-        try:
-            messages = normalize_messages([m.model_dump(exclude_unset=True) for m in request.messages])
-            prompt_text = template.render(
-                prompts.escape_specials(messages),
-                tools=prompts.escape_specials(tools),
-                add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
-                continue_final_message=request.continue_final_message,
-                template_kwargs=request.chat_template_kwargs,
-            )
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from exc
-        prompts.check_fits(len(prompt_text), "messages")
-        rendered.append(prompt_text)
-        # The forced prefix is the server's own text: its special tokens (<tool_call>) are real ones.
-        return prompts.encode_chat(prompt_text + plan.forced_prefix)
-
-    prompt_ids = await prompts.run(num_chars, render_and_encode)
     max_tokens = resolve_max_tokens(
         request.max_completion_tokens or request.max_tokens,
         len(prompt_ids),
@@ -283,7 +239,59 @@ async def prepare_chat(
         kv_transfer=await engine_kv_transfer(state, request, request.n),
     )
     generation.admit()
-    return ChatRun(generation, plan, rendered[0])
+    return ChatRun(generation, plan, prompt_text)
+
+
+async def render_chat(
+    state: ServerState, request: ChatCompletionRequest
+) -> tuple[list[int], str, ToolPlan, StructuredOutput | None]:
+    """The request's prompt (token ids and text), its tool plan, and the structure its answer must have."""
+    state.check_model(request.model)
+    state.require_engine()
+    if state.chat_template is None:
+        raise bad_request(state.chat_template_error or "this model has no chat template", "messages")
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    plan = ToolPlan(state, request)
+    structured = structured_output(request)
+    if structured is not None and plan.forced_prefix:
+        raise bad_request(
+            "response_format json_object/json_schema cannot be combined with a forced tool_choice "
+            "('required' or a named function); drop one of them",
+            "response_format",
+        )
+    template = state.chat_template
+    reserved = reserved_template_kwargs(request.chat_template_kwargs)
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the chat template defines them",
+            "chat_template_kwargs",
+        )
+    prompts = state.require_prompts()
+    num_chars = content_chars(request.messages)
+    prompts.check_fits(num_chars, "messages")  # before anything is rendered or tokenized
+    rendered: list[str] = []
+
+    def render_and_encode() -> list[int]:
+        tools = [tool.model_dump(exclude_unset=True) for tool in request.tools] if request.tools else None
+        try:
+            messages = normalize_messages([m.model_dump(exclude_unset=True) for m in request.messages])
+            prompt_text = template.render(
+                prompts.escape_specials(messages),
+                tools=prompts.escape_specials(tools),
+                add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
+                continue_final_message=request.continue_final_message,
+                template_kwargs=request.chat_template_kwargs,
+            )
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        prompts.check_fits(len(prompt_text), "messages")
+        rendered.append(prompt_text)
+        # The forced prefix is the server's own text: its special tokens (<tool_call>) are real ones.
+        return prompts.encode_chat(prompt_text + plan.forced_prefix)
+
+    prompt_ids = await prompts.run(num_chars, render_and_encode)
+    return prompt_ids, rendered[0], plan, structured or plan.grammar
 
 
 async def _complete(

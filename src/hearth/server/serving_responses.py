@@ -328,6 +328,12 @@ class _Turn:
         return response
 
 
+def _tenant(raw: Request) -> str:
+    # The same key sent either way (OpenAI's bearer token, Anthropic's x-api-key) is the same tenant.
+    given = raw.headers.get("authorization") or ""
+    return tenant_of(given.removeprefix("Bearer ") or raw.headers.get("x-api-key"))
+
+
 def _tool_choice_field(request: ResponsesRequest) -> Any:
     choice = request.tool_choice
     if choice is None:
@@ -337,7 +343,7 @@ def _tool_choice_field(request: ResponsesRequest) -> Any:
 
 async def create_response(state: ServerState, request: ResponsesRequest, raw: Request) -> Response:
     check_supported(request)
-    tenant = tenant_of(raw.headers.get("authorization"))
+    tenant = _tenant(raw)
     history: list[dict[str, Any]] = []
     if request.previous_response_id is not None:
         stored = state.responses.get(tenant, request.previous_response_id)
@@ -443,21 +449,21 @@ def _not_found(response_id: str) -> APIError:
 
 
 def get_response(state: ServerState, response_id: str, raw: Request) -> dict[str, Any]:
-    stored = state.responses.get(tenant_of(raw.headers.get("authorization")), response_id)
+    stored = state.responses.get(_tenant(raw), response_id)
     if stored is None:
         raise _not_found(response_id)
     return stored.response
 
 
 def delete_response(state: ServerState, response_id: str, raw: Request) -> dict[str, Any]:
-    if not state.responses.delete(tenant_of(raw.headers.get("authorization")), response_id):
+    if not state.responses.delete(_tenant(raw), response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 def input_items(state: ServerState, response_id: str, raw: Request) -> dict[str, Any]:
     """`GET /v1/responses/{id}/input_items`: the conversation that led to the response, as message items."""
-    stored = state.responses.get(tenant_of(raw.headers.get("authorization")), response_id)
+    stored = state.responses.get(_tenant(raw), response_id)
     if stored is None:
         raise _not_found(response_id)
     data = [
