@@ -68,7 +68,6 @@ def test_a_tool_result_round_trips_and_reads_the_cache(client: anthropic.Anthrop
     second = client.messages.create(
         model="demo",
         max_tokens=64,
-        system="You are a weather assistant.",
         messages=[
             *QUESTION,
             {"role": "assistant", "content": first.content},
