@@ -41,7 +41,7 @@ class ReasoningConfig(_Model):
 
 # `include` values a Hearth answer can honour: encrypted reasoning is never produced, so asking for it is
 # harmless (the reasoning item carries the text instead).
-SUPPORTED_INCLUDES = {"reasoning.encrypted_content", "message.output_text.logprobs"}
+SUPPORTED_INCLUDES = {"reasoning.encrypted_content"}
 
 
 class ResponsesRequest(_Model):
