@@ -98,6 +98,24 @@ def test_the_stream_follows_the_documented_events(client: anthropic.Anthropic) -
     assert events[0].message.usage.input_tokens > 0
 
 
+def test_a_tool_use_cut_by_max_tokens_keeps_the_input_written_so_far(client: anthropic.Anthropic) -> None:
+    full = client.messages.create(
+        model="demo", max_tokens=64, messages=QUESTION, tools=[WEATHER], extra_body=GREEDY
+    )
+    cut = client.messages.create(
+        model="demo",
+        max_tokens=full.usage.output_tokens - 3,
+        messages=QUESTION,
+        tools=[WEATHER],
+        extra_body=GREEDY,
+    )
+    assert cut.stop_reason == "max_tokens"
+    block = _tool_use(cut)
+    assert isinstance(block.input, dict) and set(block.input) <= {"city"}
+    city = block.input.get("city", "")
+    assert _tool_use(full).input["city"].startswith(city)
+
+
 def test_stop_sequences_stop_and_are_reported(client: anthropic.Anthropic) -> None:
     message = client.messages.create(
         model="demo",

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import partial_json_parser
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -136,10 +137,10 @@ class _Message:
         }
 
     def stop(self, finish_reason: str | None, stop_reason: str | int | None) -> tuple[str, str | None]:
-        if any(block["type"] == "tool_use" for block in self.blocks):
-            return "tool_use", None
         if finish_reason == "length":
             return "max_tokens", None
+        if any(block["type"] == "tool_use" for block in self.blocks):
+            return "tool_use", None
         if isinstance(stop_reason, str) and stop_reason in (self.request.stop_sequences or []):
             return "stop_sequence", stop_reason
         return "end_turn", None
@@ -301,9 +302,14 @@ class _Message:
             self.run.generation.close()
 
 
-def _input_object(arguments: str) -> Any:
+def _input_object(arguments: str) -> dict[str, Any]:
+    """A tool_use block's `input` (an object, as Anthropic requires) from the call's arguments text. Arguments
+    cut short (at max_tokens) are completed by partial-json-parser to the object written so far."""
     try:
         value = json.loads(arguments or "{}")
     except json.JSONDecodeError:
-        return {"_raw_arguments": arguments}  # the model wrote invalid JSON: shown as is rather than dropped
+        try:
+            value = partial_json_parser.loads(arguments)
+        except (partial_json_parser.MalformedJSON, ValueError, IndexError):
+            return {"_raw_arguments": arguments}  # not JSON at all: shown as written rather than dropped
     return value if isinstance(value, dict) else {"value": value}
