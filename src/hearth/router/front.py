@@ -393,6 +393,7 @@ class HttpServer:
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.loop = loop or asyncio.get_running_loop()
         self.routes: dict[str, dict[str, Handler]] = {}
+        self.prefix_routes: dict[str, dict[str, Handler]] = {}
         self.connections: set[HttpProtocol] = set()
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -400,8 +401,17 @@ class HttpServer:
     def add_route(self, method: str, path: str, handler: Handler) -> None:
         self.routes.setdefault(path, {})[method] = handler
 
+    def add_prefix_route(self, method: str, prefix: str, handler: Handler) -> None:
+        """A handler for every path under `prefix` (`/v1/responses/` for `/v1/responses/{id}`)."""
+        self.prefix_routes.setdefault(prefix, {})[method] = handler
+
     async def dispatch(self, request: Request) -> Response | StreamWriter:
         handlers = self.routes.get(request.path)
+        if handlers is None:
+            handlers = next(
+                (found for prefix, found in self.prefix_routes.items() if request.path.startswith(prefix)),
+                None,
+            )
         if handlers is None:
             return _error(404, f"no route {request.path}", "not_found_error")
         handler = handlers.get(request.method)

@@ -82,6 +82,10 @@ def one_token_request(body: dict[str, Any]) -> dict[str, Any]:
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    if "input" in out and "messages" not in out and "prompt" not in out:
+        # A Responses request: its budget has its own name, and the one-token answer is not worth storing.
+        out["max_output_tokens"] = 1
+        out["store"] = False
     return out
 
 

@@ -18,6 +18,7 @@ from types import FrameType
 
 import hearth
 from hearth.engine.config import EngineConfig
+from hearth.server.reasoning_parsers import available_reasoning_parsers
 from hearth.server.tool_parsers import available_tool_parsers
 
 logger = logging.getLogger("hearth.server")
@@ -55,6 +56,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="hermes",
         choices=[*available_tool_parsers(), "none"],
         help="format of the model's tool calls (none: return the text as is)",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice 'auto' is always on when a tool-call parser is set",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=available_reasoning_parsers(),
+        help="split the model's thinking into reasoning_content (default: none, thinking stays in content)",
     )
     group.add_argument(
         "--chat-template", default=None, help="a jinja file to use instead of the checkpoint's"
@@ -412,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_waiting_seqs=args.max_waiting_seqs,
         tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         chat_template_path=args.chat_template,
         aliases=tuple(aliases),
         log_requests=args.log_requests,

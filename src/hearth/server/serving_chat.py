@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -32,15 +33,16 @@ from hearth.server.generation import (
     sampling_params,
     structured_output,
 )
+from hearth.server.output_parsing import OutputParser
 from hearth.server.pd import engine_kv_transfer
 from hearth.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 from hearth.server.sse import DONE_EVENT, sse_event
 from hearth.server.state import ServerState
-from hearth.server.tool_calls import ToolCallExtractor, extract_all, new_call_id
+from hearth.server.tool_calls import ToolCallDelta, ToolCallExtractor, new_call_id
 from hearth.server.tool_parsers import ParsedToolCall, ToolParser
 
 
-class _ToolPlan:
+class ToolPlan:
     """What the request's `tools` and `tool_choice` mean for this server's parser."""
 
     def __init__(self, state: ServerState, request: ChatCompletionRequest) -> None:
@@ -53,6 +55,7 @@ class _ToolPlan:
         self.forced_prefix = ""
         self.grammar: StructuredOutput | None = None  # what a forced call's text must be, when known
         self.parser: ToolParser | None = None
+        self._tools = [tool.model_dump(exclude_unset=True) for tool in tools]
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in names:
                 raise bad_request(
@@ -89,7 +92,25 @@ class _ToolPlan:
     def extractor(self) -> ToolCallExtractor | None:
         if self.parser is None:
             return None
-        return ToolCallExtractor(self.parser, self.forced_prefix, self.forced_function)
+        return ToolCallExtractor(
+            self.parser.for_request(self._tools), self.forced_prefix, self.forced_function
+        )
+
+
+def output_parser(state: ServerState, plan: ToolPlan, prompt_text: str) -> OutputParser:
+    """How one choice's text splits into reasoning, content and calls."""
+    reasoning = state.reasoning_parser
+    # A forced call starts the answer itself: there is no reasoning before it.
+    in_reasoning = (
+        reasoning is not None and not plan.forced_prefix and reasoning.starts_in_reasoning(prompt_text)
+    )
+    return OutputParser(None if plan.forced_prefix else reasoning, in_reasoning, plan.extractor())
+
+
+def needs_special_tokens(state: ServerState, plan: ToolPlan) -> bool:
+    return (plan.parser is not None and plan.parser.needs_special_tokens) or (
+        state.reasoning_parser is not None and state.reasoning_parser.needs_special_tokens
+    )
 
 
 # A forced prefix that ends here leaves the model at the start of a JSON call's arguments object.
@@ -119,16 +140,32 @@ def _forced_call_grammar(
     return StructuredOutput.lark_grammar(f'start: ({" | ".join(alternatives)}) "}}"')
 
 
-def _tool_call_dicts(calls: list[ParsedToolCall], first_index: int = 0) -> list[dict[str, Any]]:
+def _tool_call_dicts(calls: list[ParsedToolCall]) -> list[dict[str, Any]]:
     return [
         {
-            "index": first_index + k,
             "id": call.id or new_call_id(),
             "type": "function",
             "function": {"name": call.name, "arguments": call.arguments},
         }
-        for k, call in enumerate(calls)
+        for call in calls
     ]
+
+
+def _tool_call_delta_dicts(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for delta in deltas:
+        if delta.name is not None:
+            out.append(
+                {
+                    "index": delta.index,
+                    "id": delta.id,
+                    "type": "function",
+                    "function": {"name": delta.name, "arguments": delta.arguments},
+                }
+            )
+        else:
+            out.append({"index": delta.index, "function": {"arguments": delta.arguments}})
+    return out
 
 
 def _finish_reason(engine_reason: str | None, has_calls: bool) -> str | None:
@@ -137,9 +174,80 @@ def _finish_reason(engine_reason: str | None, has_calls: bool) -> str | None:
     return engine_reason
 
 
+@dataclass
+class ChatRun:
+    """A chat request rendered, tokenized and admitted: what every API front (chat, Responses, Messages)
+    streams or collects its answer from."""
+
+    generation: Generation
+    plan: ToolPlan
+    prompt_text: str
+
+    def output_parser(self, state: ServerState) -> OutputParser:
+        return output_parser(state, self.plan, self.prompt_text)
+
+
 async def create_chat_completion(
     state: ServerState, request: ChatCompletionRequest, raw: Request
 ) -> Response:
+    run = await prepare_chat(state, request, raw, "chatcmpl")
+    generation, plan = run.generation, run.plan
+    return await respond(
+        raw,
+        request.stream,
+        lambda: _stream(state, request, generation, plan, run.prompt_text),
+        lambda: _complete(state, request, generation, plan, run.prompt_text),
+        generation.close,
+    )
+
+
+async def prepare_chat(
+    state: ServerState, request: ChatCompletionRequest, raw: Request, id_prefix: str
+) -> ChatRun:
+    """Validate, render, tokenize and admit a chat request; the caller must `generation.close()` it."""
+    prompt_ids, prompt_text, plan, structured = await render_chat(state, request)
+    engine = state.require_engine()
+    max_tokens = resolve_max_tokens(
+        request.max_completion_tokens or request.max_tokens,
+        len(prompt_ids),
+        engine.max_model_len,
+        None,
+        "messages",
+    )
+    keep_specials = needs_special_tokens(state, plan)
+    end_stop = plan.parser.call_end_stop() if plan.forced_prefix and plan.parser else None
+    params = [
+        sampling_params(
+            request,
+            max_tokens,
+            (request.top_logprobs or 0) if request.logprobs else None,
+            [end_stop] if end_stop else None,
+            False if keep_specials else None,
+            i,
+            structured,
+        )
+        for i in range(request.n)
+    ]
+    request_id = new_request_id(id_prefix)
+    affinity = raw.headers.get("x-session-affinity")
+    if affinity:
+        logger.info("request %s session-affinity=%s prompt_tokens=%d", request_id, affinity, len(prompt_ids))
+    generation = Generation(
+        state,
+        request_id,
+        [prompt_ids] * request.n,
+        params,
+        request.cache_salt,
+        kv_transfer=await engine_kv_transfer(state, request, request.n),
+    )
+    generation.admit()
+    return ChatRun(generation, plan, prompt_text)
+
+
+async def render_chat(
+    state: ServerState, request: ChatCompletionRequest
+) -> tuple[list[int], str, ToolPlan, StructuredOutput | None]:
+    """The request's prompt (token ids and text), its tool plan, and the structure its answer must have."""
     state.check_model(request.model)
     engine = state.require_engine()
     if state.chat_template is None:
@@ -147,7 +255,7 @@ async def create_chat_completion(
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     check_logit_bias(request, engine.vocab_size)
-    plan = _ToolPlan(state, request)
+    plan = ToolPlan(state, request)
     structured = structured_output(request)
     if structured is not None and plan.forced_prefix:
         raise bad_request(
@@ -155,7 +263,6 @@ async def create_chat_completion(
             "('required' or a named function); drop one of them",
             "response_format",
         )
-    structured = structured or plan.grammar
     template = state.chat_template
     reserved = reserved_template_kwargs(request.chat_template_kwargs)
     if reserved:
@@ -174,6 +281,7 @@ async def create_chat_completion(
     prompts = state.require_prompts()
     num_chars = content_chars(request.messages)
     prompts.check_fits(num_chars, "messages")  # before anything is rendered or tokenized
+    rendered: list[str] = []
 
     def render_and_encode() -> list[int]:
         tools = [tool.model_dump(exclude_unset=True) for tool in request.tools] if request.tools else None
@@ -189,55 +297,20 @@ async def create_chat_completion(
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
         prompts.check_fits(len(prompt_text), "messages")
+        rendered.append(prompt_text)
         # The forced prefix is the server's own text: its special tokens (<tool_call>) are real ones.
         return prompts.encode_chat(prompt_text + plan.forced_prefix)
 
     prompt_ids = await prompts.run(num_chars, render_and_encode)
-    max_tokens = resolve_max_tokens(
-        request.max_completion_tokens or request.max_tokens,
-        len(prompt_ids),
-        engine.max_model_len,
-        None,
-        "messages",
-    )
-    keep_specials = plan.parser is not None and plan.parser.needs_special_tokens
-    end_stop = plan.parser.call_end_stop() if plan.forced_prefix and plan.parser else None
-    params = [
-        sampling_params(
-            request,
-            max_tokens,
-            (request.top_logprobs or 0) if request.logprobs else None,
-            [end_stop] if end_stop else None,
-            False if keep_specials else None,
-            i,
-            structured,
-        )
-        for i in range(request.n)
-    ]
-    request_id = new_request_id("chatcmpl")
-    affinity = raw.headers.get("x-session-affinity")
-    if affinity:
-        logger.info("request %s session-affinity=%s prompt_tokens=%d", request_id, affinity, len(prompt_ids))
-    generation = Generation(
-        state,
-        request_id,
-        [prompt_ids] * request.n,
-        params,
-        request.cache_salt,
-        kv_transfer=await engine_kv_transfer(state, request, request.n),
-    )
-    generation.admit()
-    return await respond(
-        raw,
-        request.stream,
-        lambda: _stream(state, request, generation, plan),
-        lambda: _complete(state, request, generation, plan),
-        generation.close,
-    )
+    return prompt_ids, rendered[0], plan, structured or plan.grammar
 
 
 async def _complete(
-    state: ServerState, request: ChatCompletionRequest, generation: Generation, plan: _ToolPlan
+    state: ServerState,
+    request: ChatCompletionRequest,
+    generation: Generation,
+    plan: ToolPlan,
+    prompt_text: str,
 ) -> Response:
     n = request.n
     texts = [""] * n
@@ -264,19 +337,17 @@ async def _complete(
         raise engine_error(exc) from exc
     choices = []
     for index in range(n):
-        extractor = plan.extractor()
         message: dict[str, Any] = {"role": "assistant", "content": texts[index]}
         calls: list[ParsedToolCall] = []
-        if extractor is not None:
-            content, calls = extract_all(extractor, texts[index])
+        if plan.parser is not None or state.reasoning_parser is not None:
+            reasoning, content, calls = output_parser(state, plan, prompt_text).finish_all(texts[index])
             if not request.parallel_tool_calls:
                 calls = calls[:1]  # parallel_tool_calls=false: at most one call
             message["content"] = content
+            if state.reasoning_parser is not None:
+                message["reasoning_content"] = reasoning
             if calls:
-                message["tool_calls"] = [
-                    {key: value for key, value in call.items() if key != "index"}
-                    for call in _tool_call_dicts(calls)
-                ]
+                message["tool_calls"] = _tool_call_dicts(calls)
         reason, stop_reason = finish[index]
         choices.append(
             {
@@ -306,7 +377,11 @@ async def _complete(
 
 
 async def _stream(
-    state: ServerState, request: ChatCompletionRequest, generation: Generation, plan: _ToolPlan
+    state: ServerState,
+    request: ChatCompletionRequest,
+    generation: Generation,
+    plan: ToolPlan,
+    prompt_text: str,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     include_usage, continuous_usage = request.usage_in_stream
@@ -337,7 +412,8 @@ async def _stream(
             payload["usage"] = generation.usage() if continuous_usage else None
         return sse_event(payload)
 
-    extractors = [plan.extractor() for _ in range(request.n)]
+    parsing = plan.parser is not None or state.reasoning_parser is not None
+    parsers = [output_parser(state, plan, prompt_text) if parsing else None for _ in range(request.n)]
     num_calls = [0] * request.n
     try:
         for index in range(request.n):
@@ -352,14 +428,14 @@ async def _stream(
                 if request.logprobs and output.new_logprobs
                 else None
             )
-            extractor = extractors[index]
-            if extractor is None:
-                content, calls = output.new_text, []
+            parser = parsers[index]
+            if parser is None:
+                content, calls, reasoning = output.new_text, [], ""
             else:
-                extracted = extractor.feed(output.new_text, final=output.finished)
-                content, calls = extracted.content, extracted.tool_calls
-                if not request.parallel_tool_calls:
-                    calls = calls[: max(0, 1 - num_calls[index])]  # at most one call
+                parsed = parser.feed(output.new_text, final=output.finished)
+                content, calls, reasoning = parsed.content, parsed.tool_calls, parsed.reasoning
+                if not request.parallel_tool_calls:  # at most one call: only call 0's deltas
+                    calls = [call for call in calls if call.index == 0]
             if output.prompt_logprobs is not None and request.prompt_logprobs is not None and index == 0:
                 payload = {
                     **base,
@@ -369,11 +445,13 @@ async def _stream(
                     ),
                 }
                 yield sse_event(payload)
+            if reasoning:
+                yield chunk(index, {"reasoning_content": reasoning})
             if content or logprobs is not None:
                 yield chunk(index, {"content": content}, logprobs=logprobs)
             if calls:
-                yield chunk(index, {"tool_calls": _tool_call_dicts(calls, num_calls[index])})
-                num_calls[index] += len(calls)
+                yield chunk(index, {"tool_calls": _tool_call_delta_dicts(calls)})
+                num_calls[index] += sum(1 for call in calls if call.name is not None)
             if output.finished:
                 reason = _finish_reason(output.finish_reason, num_calls[index] > 0)
                 yield chunk(index, {}, reason, stop_reason=output.stop_reason)
