@@ -117,7 +117,26 @@ def _clear_stale_lock(name: str) -> None:
         pass
 
 
-def _compile(name: str) -> None:
+def _staged_sources(name: str) -> list[Path]:
+    """The sources (and headers), copied into the build's own directory: the compile commands then name
+    no checkout, so every checkout with these sources finds the build up to date (ninja rebuilds when a
+    command changes, and a source's path is part of its command)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    staged = Path(_get_build_directory(name, verbose=False)) / "src"
+    staged.mkdir(exist_ok=True)
+    csrc = Path(__file__).parent / "csrc"
+    for path in sorted({*_SOURCES, *csrc.glob("*.h")}):
+        target = staged / path.name
+        data = path.read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            tmp = target.with_name(f".{target.name}.{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)  # the name's hash covers these bytes: any copy is the same file
+    return [staged / path.name for path in _SOURCES]
+
+
+def _compile(name: str, sources: list[Path]) -> None:
     """Compile (or find up to date) the extension in a child process that dies with us.
 
     torch's builder holds a lock file while it compiles; the child releases it on SIGTERM (torch's
@@ -128,7 +147,7 @@ def _compile(name: str) -> None:
     log = Path(_get_build_directory(name, verbose=False)) / "hearth-build.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-c", _BUILD_SNIPPET, name, repr(_CFLAGS), *map(str, _SOURCES), _BUILD_WORK],
+            [sys.executable, "-c", _BUILD_SNIPPET, name, repr(_CFLAGS), *map(str, sources), _BUILD_WORK],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -205,11 +224,12 @@ def _build() -> None:
 
         name = extension_name()
         _clear_stale_lock(name)
-        _compile(name)
+        sources = _staged_sources(name)
+        _compile(name, sources)
         # Up to date now: this only loads the library.
         module = load(
             name=name,
-            sources=[str(path) for path in _SOURCES],
+            sources=[str(path) for path in sources],
             extra_cflags=_CFLAGS,
             verbose=False,
         )
