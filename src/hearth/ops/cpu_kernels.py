@@ -73,6 +73,7 @@ _check_page_tags: Callable[..., list[int]] | None = None
 _build_thread: threading.Thread | None = None
 _builders: set[subprocess.Popen[bytes]] = set()  # compiler processes running now
 PROGRESS_INTERVAL_S = 30.0
+LOAD_S = 5.0
 
 
 def _cpu_tag() -> str:
@@ -259,35 +260,27 @@ def start_build() -> None:
             _build_thread.start()
 
 
-def is_built() -> bool:
-    """The extension for these sources and this CPU is compiled already (loading it takes a second)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    name = extension_name()
-    return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
-
-
 def build_before_ready() -> None:
-    """Build (or load) the kernels now, with a progress line while a build runs: a server is ready only
+    """Build (or load) the kernels now, with progress lines while a build runs: a server is ready only
     after this, so a compile never competes with serving."""
     if not enabled():
         return
-    fresh = not is_built()
-    if fresh:
-        logger.warning(
-            "building the CPU kernels for this CPU and source version (once per machine and version; 1-10 "
-            "min); the server is ready after it (`hearth build-kernels` does it ahead of time, "
-            "HEARTH_CPU_KERNELS=0 skips the kernels)"
-        )
     started = time.monotonic()
     start_build()
     assert _build_thread is not None
+    _build_thread.join(LOAD_S)  # loading a build that is up to date takes about this long
+    if not _build_thread.is_alive():
+        return
+    logger.warning(
+        "building the CPU kernels for this CPU and source version (once per machine and version; 1-10 min); "
+        "the server is ready after it (`hearth build-kernels` does it ahead of time, HEARTH_CPU_KERNELS=0 "
+        "skips the kernels)"
+    )
     while _build_thread.is_alive():
         _build_thread.join(PROGRESS_INTERVAL_S)
         if _build_thread.is_alive():
             logger.warning("still building the CPU kernels (%.0f s so far)", time.monotonic() - started)
-    if fresh:
-        logger.warning("CPU kernels built in %.0f s", time.monotonic() - started)
+    logger.warning("CPU kernels built in %.0f s", time.monotonic() - started)
 
 
 def paged_decode_attention_kernel(wait: bool = False) -> Callable[..., object] | None:
