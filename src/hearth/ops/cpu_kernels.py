@@ -94,7 +94,8 @@ def _source_tag() -> str:
     digest = hashlib.sha256()
     for path in sorted({*_SOURCES, *(Path(__file__).parent / "csrc").glob("*.h")}):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(repr((_CFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    # "staged": compiled from copies in the build directory (`_staged_sources`), a build of its own.
+    digest.update(repr((_CFLAGS, torch.__version__, sys.version_info[:2], "staged")).encode())
     return digest.hexdigest()[:12]
 
 
