@@ -65,7 +65,7 @@ def test_a_builder_and_its_compiler_die_with_the_server_that_started_them(tmp_pa
         import threading
         from hearth.ops import cpu_kernels
         cpu_kernels._BUILD_WORK = {FAKE_WORK!r}
-        threading.Thread(target=cpu_kernels._compile, args=("hearth_builder_test",), daemon=True).start()
+        threading.Thread(target=cpu_kernels._compile, args=("hearth_builder_test", []), daemon=True).start()
         threading.Event().wait()
         """
     )
@@ -97,7 +97,7 @@ def test_stop_builds_stops_a_build_under_way(tmp_path: Path, monkeypatch: pytest
 
     def build() -> None:
         try:
-            cpu_kernels._compile("hearth_stop_test")
+            cpu_kernels._compile("hearth_stop_test", [])
         except RuntimeError as exc:
             failures.append(exc)
 
@@ -113,3 +113,22 @@ def test_stop_builds_stops_a_build_under_way(tmp_path: Path, monkeypatch: pytest
     thread.join(10)
     assert not thread.is_alive() and failures  # the build ended, as a failure (the torch paths serve)
     assert _gone(compiler)
+
+
+def test_two_checkouts_compile_the_same_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ninja rebuilds when a compile command changes, and a source's path is in its command: both
+    checkouts compile copies inside the build directory, so neither rebuilds the other's kernels."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    here = Path(cpu_kernels.__file__).parent / "csrc"
+    staged = []
+    for checkout in ("a", "b"):
+        shutil.copytree(here, tmp_path / checkout / "csrc")
+        sources = [tmp_path / checkout / "csrc" / path.name for path in cpu_kernels._SOURCES]
+        monkeypatch.setattr(cpu_kernels, "_SOURCES", sources)
+        monkeypatch.setattr(cpu_kernels, "__file__", str(tmp_path / checkout / "cpu_kernels.py"))
+        staged.append(cpu_kernels._staged_sources("hearth_staging_test"))
+    assert staged[0] == staged[1] and all(str(tmp_path / "ext") in str(path) for path in staged[0])
+    assert (staged[0][0].parent / "fp8_e4m3.h").read_bytes() == (here / "fp8_e4m3.h").read_bytes()
+    assert [path.read_bytes() for path in staged[0]] == [
+        (here / path.name).read_bytes() for path in staged[0]
+    ]

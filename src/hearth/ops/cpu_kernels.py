@@ -73,6 +73,7 @@ _check_page_tags: Callable[..., list[int]] | None = None
 _build_thread: threading.Thread | None = None
 _builders: set[subprocess.Popen[bytes]] = set()  # compiler processes running now
 PROGRESS_INTERVAL_S = 30.0
+LOAD_S = 5.0
 
 
 def _cpu_tag() -> str:
@@ -93,7 +94,8 @@ def _source_tag() -> str:
     digest = hashlib.sha256()
     for path in sorted({*_SOURCES, *(Path(__file__).parent / "csrc").glob("*.h")}):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(repr((_CFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    # "staged": compiled from copies in the build directory (`_staged_sources`), a build of its own.
+    digest.update(repr((_CFLAGS, torch.__version__, sys.version_info[:2], "staged")).encode())
     return digest.hexdigest()[:12]
 
 
@@ -117,7 +119,26 @@ def _clear_stale_lock(name: str) -> None:
         pass
 
 
-def _compile(name: str) -> None:
+def _staged_sources(name: str) -> list[Path]:
+    """The sources (and headers), copied into the build's own directory: the compile commands then name
+    no checkout, so every checkout with these sources finds the build up to date (ninja rebuilds when a
+    command changes, and a source's path is part of its command)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    staged = Path(_get_build_directory(name, verbose=False)) / "src"
+    staged.mkdir(exist_ok=True)
+    csrc = Path(__file__).parent / "csrc"
+    for path in sorted({*_SOURCES, *csrc.glob("*.h")}):
+        target = staged / path.name
+        data = path.read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            tmp = target.with_name(f".{target.name}.{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)  # the name's hash covers these bytes: any copy is the same file
+    return [staged / path.name for path in _SOURCES]
+
+
+def _compile(name: str, sources: list[Path]) -> None:
     """Compile (or find up to date) the extension in a child process that dies with us.
 
     torch's builder holds a lock file while it compiles; the child releases it on SIGTERM (torch's
@@ -128,7 +149,7 @@ def _compile(name: str) -> None:
     log = Path(_get_build_directory(name, verbose=False)) / "hearth-build.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-c", _BUILD_SNIPPET, name, repr(_CFLAGS), *map(str, _SOURCES), _BUILD_WORK],
+            [sys.executable, "-c", _BUILD_SNIPPET, name, repr(_CFLAGS), *map(str, sources), _BUILD_WORK],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -205,11 +226,12 @@ def _build() -> None:
 
         name = extension_name()
         _clear_stale_lock(name)
-        _compile(name)
+        sources = _staged_sources(name)
+        _compile(name, sources)
         # Up to date now: this only loads the library.
         module = load(
             name=name,
-            sources=[str(path) for path in _SOURCES],
+            sources=[str(path) for path in sources],
             extra_cflags=_CFLAGS,
             verbose=False,
         )
@@ -239,35 +261,27 @@ def start_build() -> None:
             _build_thread.start()
 
 
-def is_built() -> bool:
-    """The extension for these sources and this CPU is compiled already (loading it takes a second)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    name = extension_name()
-    return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
-
-
 def build_before_ready() -> None:
-    """Build (or load) the kernels now, with a progress line while a build runs: a server is ready only
+    """Build (or load) the kernels now, with progress lines while a build runs: a server is ready only
     after this, so a compile never competes with serving."""
     if not enabled():
         return
-    fresh = not is_built()
-    if fresh:
-        logger.warning(
-            "building the CPU kernels for this CPU and source version (once per machine and version; 1-10 "
-            "min); the server is ready after it (`hearth build-kernels` does it ahead of time, "
-            "HEARTH_CPU_KERNELS=0 skips the kernels)"
-        )
     started = time.monotonic()
     start_build()
     assert _build_thread is not None
+    _build_thread.join(LOAD_S)  # loading a build that is up to date takes about this long
+    if not _build_thread.is_alive():
+        return
+    logger.warning(
+        "building the CPU kernels for this CPU and source version (once per machine and version; 1-10 min); "
+        "the server is ready after it (`hearth build-kernels` does it ahead of time, HEARTH_CPU_KERNELS=0 "
+        "skips the kernels)"
+    )
     while _build_thread.is_alive():
         _build_thread.join(PROGRESS_INTERVAL_S)
         if _build_thread.is_alive():
             logger.warning("still building the CPU kernels (%.0f s so far)", time.monotonic() - started)
-    if fresh:
-        logger.warning("CPU kernels built in %.0f s", time.monotonic() - started)
+    logger.warning("CPU kernels built in %.0f s", time.monotonic() - started)
 
 
 def paged_decode_attention_kernel(wait: bool = False) -> Callable[..., object] | None:
