@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,8 +27,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("lm_eval-serve")
+    tokenizer_dir = root / "tokenizer"  # served with --tokenizer from elsewhere, as vLLM users may
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tokenizer_dir / name)
     args = [str(model_dir), "--dtype", "float32", "--kv-cache-memory", "0.02", "--served-model-name", "tiny"]
-    with ServerProcess(args, tmp_path_factory.mktemp("lm_eval-serve") / "server.log") as process:
+    args += ["--tokenizer", str(tokenizer_dir), "--enable-log-requests"]
+    with ServerProcess(args, root / "server.log") as process:
         yield process
 
 
@@ -106,3 +113,4 @@ def test_multiple_choice_scores_equal_transformers(
     accuracy = results["results"]["hearth_mc"]["acc,none"]
     assert accuracy == expected_correct / len(samples)
     assert accuracy > 0.5  # the model's own greedy continuation wins
+    assert "request cmpl-" in server.log()  # --enable-log-requests

@@ -114,14 +114,16 @@ def test_config_file_options_come_first_so_the_command_line_wins(tmp_path: Path)
     config.write_text(
         "model: Qwen/Qwen3-0.6B\nport: 9001\nmax_model_len: 32k\nenable-prefix-caching: false\n"
         "served-model-name: [a, b]\nspeculative-config: {method: ngram, num_speculative_tokens: 2}\n"
-        "trust-remote-code: true\n"
+        "trust-remote-code: true\nkv-integrity: off\n"
     )
     parser = _parser()
     args = parser.parse_args(
         server_cli.expand_config_file(parser, ["--config", str(config), "--port", "9002"])
     )
     assert (args.model, args.port, args.max_model_len) == ("Qwen/Qwen3-0.6B", 9002, 32000)
-    assert args.enable_prefix_caching is False and args.trust_remote_code is True
+    assert (
+        args.enable_prefix_caching is False and args.trust_remote_code is True and args.kv_integrity is False
+    )
     assert args.served_model_name == ["a", "b"]
     assert args.speculative_config["num_speculative_tokens"] == 2
 

@@ -131,7 +131,6 @@ class Engine:
                     "prompt_logprobs",
                     "prompt logprobs are not supported with tensor/pipeline parallelism or a PD role yet",
                 )
-            self._prompt_logprobs += 1
         self._requests[request.request_id] = state = Request(
             request_id=request.request_id,
             prompt_token_ids=list(prompt),
@@ -143,6 +142,8 @@ class Engine:
             kv_transfer=request.kv_transfer,
         )
         self.scheduler.add(state, self.kv_loads.request_added(state))
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs += 1  # counted once queued: `_finish` uncounts it
 
     def _new_grammar(self, params: SamplingParams) -> GrammarMatcher | None:
         if params.structured_output is None:

@@ -288,7 +288,9 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
         action = known.get(option)
         if action is None:
             parser.error(f"--config {path}: unknown option {key!r}")
-        if isinstance(value, bool):
+        if isinstance(value, bool) and action.metavar == "{on,off}":
+            expanded += [option, "on" if value else "off"]  # YAML reads a bare `on` as true
+        elif isinstance(value, bool):
             if value and action.nargs == 0:
                 expanded.append(option)
             elif not value and action.nargs == 0:
