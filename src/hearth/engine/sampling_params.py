@@ -42,6 +42,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_tokens: int = 0
     structured_output: StructuredOutput | None = None
+    # The agent session this request is a turn of: its pages are retained between turns
+    # (hearth.engine.retention) when the engine retains sessions.
+    retain_session: str | None = None
 
     MAX_TOP_LOGPROBS = 20
 

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hearth.engine.request import Request, RequestStatus
+from hearth.engine.retention import SessionRetention
 from hearth.kv.manager import KVCacheManager
 
 
@@ -81,6 +82,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.kv = kv
+        self.retention: SessionRetention | None = None  # set by the factory when retention is on
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -106,6 +108,11 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
+        if self.retention is not None:
+            self.retention.expire()
+        return self._schedule()
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         running = self.running
@@ -311,7 +318,11 @@ class Scheduler:
         self.kv.forget_cached_pages(request, suspect_page_indices)
 
     def finish(self, request: Request) -> None:
-        """Remove a finished or aborted request wherever it is and free its pages."""
+        """Remove a finished or aborted request wherever it is and free its pages (a session's turn that
+        ended normally has them retained first, when retention is on)."""
+        session = request.params.retain_session
+        if self.retention is not None and session and request.finish_reason in ("stop", "length"):
+            self.retention.retain(session, request)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
