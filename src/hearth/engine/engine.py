@@ -297,6 +297,7 @@ class Engine:
             "retention_expired_total": stats.expired_total,
             "retention_evicted_total": stats.evicted_total,
             "retention_replaced_total": stats.replaced_total,
+            "retention_yielded_total": stats.yielded_total,
         }
 
     def stats(self) -> EngineStats:

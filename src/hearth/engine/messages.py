@@ -100,6 +100,7 @@ class EngineStats(msgspec.Struct):
     retention_expired_total: int = 0
     retention_evicted_total: int = 0
     retention_replaced_total: int = 0
+    retention_yielded_total: int = 0
 
 
 class ShutdownCore(msgspec.Struct, tag=True):

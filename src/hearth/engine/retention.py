@@ -7,6 +7,9 @@ pressure. Retention holds an extra reference on them (`KVCacheManager.hold_pages
 that expires is released (the pages become parked again, evictable as usual). Caps bound what is held: per
 tenant (the prefix root, which covers `cache_salt` / the API key's tenant) and in total, so one tenant's
 sessions cannot pin the cache against the others; past a cap the tenant's (or anyone's) oldest hold goes first.
+Holds never cost a request its pages: when the scheduler cannot allocate, holds are given up, oldest first,
+before any request waits or is preempted (`yield_oldest`), so retention only decides which *parked* pages the
+cache keeps.
 
 Plain Python, scheduler-side: `retain` when a request finishes, `expire` once per step.
 """
@@ -47,6 +50,7 @@ class RetentionStats:
     expired_total: int = 0  # holds released at their TTL
     evicted_total: int = 0  # holds released early by a cap
     replaced_total: int = 0  # holds replaced by the session's next turn (the retention paid off or was moot)
+    yielded_total: int = 0  # holds released because requests needed the pages
 
 
 @dataclass
@@ -92,6 +96,15 @@ class SessionRetention:
             self._release(key, "expired")
             self.stats.expired_total += 1
         self.stats.retained_sessions = len(self._holds)
+
+    def yield_oldest(self) -> bool:
+        """Release the oldest hold because a running or waiting request needs pages; False when none is left."""
+        if not self._holds:
+            return False
+        self._release(next(iter(self._holds)), "yielded")
+        self.stats.yielded_total += 1
+        self.stats.retained_sessions = len(self._holds)
+        return True
 
     def release_all(self) -> None:
         for key in list(self._holds):

@@ -147,7 +147,7 @@ class Scheduler:
                 num_remote = min(request.num_remote_kv_tokens, request.num_tokens - 1) - cached - num_tier
                 pending = num_tier + max(num_remote, 0)
             num_new = pending or min(request.num_tokens - request.num_computed_tokens, budget)
-            if not kv.allocate_slots(request, num_new):
+            if not self._allocate(request, num_new):
                 # Not enough pages yet: give back the prefix pages so they stay evictable, try next step.
                 kv.free(request)
                 break
@@ -169,11 +169,19 @@ class Scheduler:
 
         False when the request itself had to be preempted.
         """
-        while not self.kv.allocate_slots(request, num_new):
+        while not self._allocate(request, num_new):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
+                return False
+        return True
+
+    def _allocate(self, request: Request, num_new: int) -> bool:
+        """Pages for the request's next tokens; sessions retained between turns give theirs up (oldest first)
+        before a request waits or is preempted: retention only ever uses pages nobody else needs."""
+        while not self.kv.allocate_slots(request, num_new):
+            if self.retention is None or not self.retention.yield_oldest():
                 return False
         return True
 

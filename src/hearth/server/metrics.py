@@ -131,6 +131,7 @@ def _retention_metrics(stats: Any, gauge: Any, counter: Any) -> Iterator[Metric]
         ("expired", stats.retention_expired_total),
         ("evicted", stats.retention_evicted_total),
         ("replaced", stats.retention_replaced_total),
+        ("yielded", stats.retention_yielded_total),
     ):
         yield counter(f"kv_retention_{reason}", f"Session holds released: {reason}.", number)
 
