@@ -84,6 +84,11 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None  # None: 0.9 on GPU, no cap on CPU (hearth.engine.kv_budget)
     tokenizer: str | None = None
     ngram_lookup: tuple[int, int] | None = None
+    # Tool-pause retention (hearth.engine.retention): seconds a session's pages stay held after its turn
+    # (0: off), and the shares of the KV pages all sessions, and one tenant's sessions, may hold.
+    session_retention_s: float = 0.0
+    session_retention_share: float = 0.25
+    session_retention_tenant_share: float = 0.1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -236,6 +241,25 @@ class EngineConfig:
             "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS
         )
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+        group.add_argument(
+            "--session-retention-s",
+            type=float,
+            default=0.0,
+            help="keep an agent session's KV pages for this long after each turn, so the next turn (after a "
+            "tool call) finds them (0: off; sessions are named by the session headers or previous_response_id)",
+        )
+        group.add_argument(
+            "--session-retention-share",
+            type=float,
+            default=0.25,
+            help="largest share of the KV pages that retained sessions may hold",
+        )
+        group.add_argument(
+            "--session-retention-tenant-share",
+            type=float,
+            default=0.1,
+            help="largest share of the KV pages that one tenant's retained sessions may hold",
+        )
         group.add_argument(
             "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)"
         )

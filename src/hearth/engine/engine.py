@@ -315,6 +315,20 @@ class Engine:
             return CoreOutput(request.request_id, [], request.num_prompt_tokens, request.cached_tokens or 0)
         return output
 
+    def _retention_stats(self) -> dict[str, int]:
+        retention = self.scheduler.retention
+        if retention is None:
+            return {}
+        stats = retention.stats
+        return {
+            "retained_pages": stats.retained_pages,
+            "retained_sessions": stats.retained_sessions,
+            "retention_expired_total": stats.expired_total,
+            "retention_evicted_total": stats.evicted_total,
+            "retention_replaced_total": stats.replaced_total,
+            "retention_yielded_total": stats.yielded_total,
+        }
+
     def stats(self) -> EngineStats:
         spec = self.speculator.stats if self.speculator is not None else None
         transfer = self.kv_loads.counters()
@@ -339,6 +353,7 @@ class Engine:
             kv_transfer_pages_total=transfer.get("transfer_pages_received", 0)
             + transfer.get("transfer_pages_sent", 0),
             kv_tokens_total=self.num_kv_tokens,
+            **self._retention_stats(),
             kv_tiers=tier.tier_stats()
             if isinstance(tier := self.kv_loads.connectors.get("tier"), TierConnector)
             else [],

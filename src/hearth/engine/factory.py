@@ -88,6 +88,15 @@ def build_engine(config: EngineConfig) -> Engine:
     max_model_len = resolve_max_model_len(model_config, config.max_model_len, num_kv_tokens)
     kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
     scheduler = Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs)
+    if config.session_retention_s > 0 and config.enable_prefix_caching:
+        from hearth.engine.retention import SessionRetention
+
+        scheduler.retention = SessionRetention(
+            kv,
+            config.session_retention_s,
+            max_pages=int(num_pages * config.session_retention_share),
+            max_pages_per_tenant=int(num_pages * config.session_retention_tenant_share),
+        )
     kv.faults = KVFaultInjector.from_env(config.seed)  # HEARTH_KV_FAULTS (tests); None when unset
     if kv.faults is not None:
         kv.faults.victims = lambda: scheduler.running

@@ -98,6 +98,13 @@ class EngineStats(msgspec.Struct):
     kv_transfer_pages_total: int = 0  # pages sent plus received
     kv_tokens_total: int = 0  # tokens the KV cache holds (pages x page size): doubles with FP8 KV
     kv_tiers: list[TierStats] = msgspec.field(default_factory=list)  # per tier below the device
+    # Tool-pause retention (hearth.engine.retention)
+    retained_pages: int = 0
+    retained_sessions: int = 0
+    retention_expired_total: int = 0
+    retention_evicted_total: int = 0
+    retention_replaced_total: int = 0
+    retention_yielded_total: int = 0
 
 
 class ShutdownCore(msgspec.Struct, tag=True):

@@ -46,6 +46,9 @@ class SamplingParams:
     # prompt logprobs with this many top alternatives (None: none; hearth.engine.prompt_logprobs).
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
+    # The agent session this request is a turn of: its pages are retained between turns
+    # (hearth.engine.retention) when the engine retains sessions.
+    retain_session: str | None = None
 
     MAX_TOP_LOGPROBS = 20
 

@@ -207,6 +207,20 @@ class _EngineCollector(Collector):
         if getattr(stats, "spec_method", ""):
             yield from _speculative_metrics(stats, self._model_name)
         yield from _tier_metrics(getattr(stats, "kv_tiers", None) or [], self._model_name)
+        yield from _retention_metrics(stats, gauge, counter)
+
+
+def _retention_metrics(stats: Any, gauge: Any, counter: Any) -> Iterator[Metric]:
+    """Tool-pause retention (hearth.engine.retention): what sessions hold between turns, and why holds end."""
+    yield gauge("kv_retained_pages", "KV pages held for agent sessions between turns.", stats.retained_pages)
+    yield gauge("kv_retained_sessions", "Agent sessions whose pages are held.", stats.retained_sessions)
+    for reason, number in (
+        ("expired", stats.retention_expired_total),
+        ("evicted", stats.retention_evicted_total),
+        ("replaced", stats.retention_replaced_total),
+        ("yielded", stats.retention_yielded_total),
+    ):
+        yield counter(f"kv_retention_{reason}", f"Session holds released: {reason}.", number)
 
 
 def _speculative_metrics(stats: Any, model_name: str) -> Iterator[Metric]:

@@ -21,6 +21,7 @@ class StoredResponse:
     response: dict[str, Any]  # the Response object as returned
     messages: list[dict[str, Any]]  # the conversation through this response's output, as chat messages
     expires_s: float
+    session: str | None = None  # the agent session the conversation is (its pages are retained between turns)
 
 
 class ResponseStore:
@@ -35,10 +36,16 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, tenant: str, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+    def put(
+        self,
+        tenant: str,
+        response: dict[str, Any],
+        messages: list[dict[str, Any]],
+        session: str | None = None,
+    ) -> None:
         self._expire()
         key = (tenant, response["id"])
-        self._entries[key] = StoredResponse(response, messages, self._clock() + self.ttl_s)
+        self._entries[key] = StoredResponse(response, messages, self._clock() + self.ttl_s, session)
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_responses:
             self._entries.popitem(last=False)  # the least recently used goes first

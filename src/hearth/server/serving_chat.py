@@ -36,6 +36,7 @@ from hearth.server.generation import (
 from hearth.server.output_parsing import OutputParser
 from hearth.server.pd import engine_kv_transfer
 from hearth.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
+from hearth.server.sessions import session_key
 from hearth.server.sse import DONE_EVENT, sse_event
 from hearth.server.state import ServerState
 from hearth.server.tool_calls import ToolCallDelta, ToolCallExtractor, new_call_id
@@ -202,9 +203,16 @@ async def create_chat_completion(
 
 
 async def prepare_chat(
-    state: ServerState, request: ChatCompletionRequest, raw: Request, id_prefix: str
+    state: ServerState,
+    request: ChatCompletionRequest,
+    raw: Request,
+    id_prefix: str,
+    session: str | None = None,
 ) -> ChatRun:
-    """Validate, render, tokenize and admit a chat request; the caller must `generation.close()` it."""
+    """Validate, render, tokenize and admit a chat request; the caller must `generation.close()` it.
+
+    `session` names the agent session the request is a turn of (default: from the harness's headers); the
+    engine retains its pages until the next turn when `--session-retention-s` is on."""
     prompt_ids, prompt_text, plan, structured = await render_chat(state, request)
     engine = state.require_engine()
     max_tokens = resolve_max_tokens(
@@ -228,6 +236,9 @@ async def prepare_chat(
         )
         for i in range(request.n)
     ]
+    session = session or session_key(raw.headers, {})
+    if session is not None and request.n == 1:
+        params[0].retain_session = session
     request_id = new_request_id(id_prefix)
     affinity = raw.headers.get("x-session-affinity")
     if affinity:

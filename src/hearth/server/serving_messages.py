@@ -33,6 +33,7 @@ from hearth.server.messages_protocol import (
 from hearth.server.output_parsing import OutputDelta, OutputParser
 from hearth.server.protocol import ChatCompletionRequest
 from hearth.server.serving_chat import ChatRun, prepare_chat, render_chat
+from hearth.server.sessions import session_key
 from hearth.server.sse import dumps
 from hearth.server.state import ServerState
 
@@ -105,7 +106,9 @@ async def count_tokens(state: ServerState, request: CountTokensRequest) -> dict[
 
 
 async def create_message(state: ServerState, request: MessagesRequest, raw: Request) -> Response:
-    run = await prepare_chat(state, _chat_request(request, request.stream), raw, "msg")
+    user_id = request.metadata.user_id if request.metadata else None
+    session = session_key(raw.headers, {"metadata": {"user_id": user_id}})
+    run = await prepare_chat(state, _chat_request(request, request.stream), raw, "msg", session)
     message = _Message(state, request, run)
     return await respond(raw, request.stream, message.stream, message.complete, run.generation.close)
 

@@ -33,6 +33,7 @@ from hearth.server.responses_protocol import (
     response_format,
 )
 from hearth.server.serving_chat import ChatRun, prepare_chat
+from hearth.server.sessions import session_key
 from hearth.server.sse import dumps
 from hearth.server.state import ServerState
 
@@ -251,13 +252,16 @@ class _Turn:
         run: ChatRun,
         conversation: list[dict[str, Any]],
         tenant: str,
+        response_id: str,
+        session: str,
     ) -> None:
         self.state = state
         self.request = request
         self.run = run
         self.conversation = conversation
         self.tenant = tenant
-        self.id = _new_id("resp")
+        self.id = response_id
+        self.session = session
         self.created_at = int(time.time())
         self.items = OutputItems()
         self.parser = run.output_parser(state)
@@ -324,7 +328,7 @@ class _Turn:
         response = self.response("incomplete" if finish_reason == "length" else "completed", finish_reason)
         if self.request.store:
             messages = [*self.conversation, self.items.assistant_message()]
-            self.state.responses.put(self.tenant, response, messages)
+            self.state.responses.put(self.tenant, response, messages, self.session)
         return response
 
 
@@ -345,6 +349,9 @@ async def create_response(state: ServerState, request: ResponsesRequest, raw: Re
     check_supported(request)
     tenant = _tenant(raw)
     history: list[dict[str, Any]] = []
+    response_id = _new_id("resp")
+    # A conversation chained by previous_response_id is one session, named after its first response.
+    session = session_key(raw.headers, {"prompt_cache_key": request.prompt_cache_key}) or f"r:{response_id}"
     if request.previous_response_id is not None:
         stored = state.responses.get(tenant, request.previous_response_id)
         if stored is None:
@@ -356,6 +363,7 @@ async def create_response(state: ServerState, request: ResponsesRequest, raw: Re
                 code="previous_response_not_found",
             )
         history = stored.messages
+        session = stored.session or session
     conversation = [*history, *input_messages(request.input)]
     if not conversation:
         raise bad_request("input is empty: give at least one input item", "input")
@@ -385,8 +393,8 @@ async def create_response(state: ServerState, request: ResponsesRequest, raw: Re
         chat_request = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
-    run = await prepare_chat(state, chat_request, raw, "resp")
-    turn = _Turn(state, request, run, conversation, tenant)
+    run = await prepare_chat(state, chat_request, raw, "resp", session)
+    turn = _Turn(state, request, run, conversation, tenant, response_id, session)
     return await respond(
         raw, request.stream, lambda: _stream(turn), lambda: _complete(turn), run.generation.close
     )
