@@ -102,6 +102,11 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """From `model_dir/config.json`, or from the metadata of a GGUF file when `model_dir` is one."""
+        from hearth.model.gguf_file import GGUFCheckpoint, is_gguf_path
+
+        if is_gguf_path(model_dir):
+            return cls.from_dict(GGUFCheckpoint(model_dir).hf_config(), source=str(model_dir))
         path = Path(model_dir) / "config.json"
         if not Path(model_dir).is_dir():
             raise ModelLoadError(f"model directory {model_dir} does not exist")

@@ -134,11 +134,19 @@ def port_number(text: str) -> int:
 
 
 def resolve_model_dir(model: str | None) -> Path:
-    """The checkpoint to serve: `--model`, else the bundled demo model. Exits with a message if neither exists."""
+    """The checkpoint to serve: `--model` (a directory, a GGUF file, or a short name such as `smollm2`,
+    `hearth.model.named_models`), else the bundled demo model. Exits with a message if neither exists."""
     if model is not None:
-        path = Path(model)
-        if not path.is_dir():
-            raise SystemExit(f"hearth serve: --model {model}: no such directory")
+        from hearth.model.config import ModelLoadError
+        from hearth.model.gguf_file import is_gguf_path
+        from hearth.model.named_models import resolve_named_model
+
+        try:
+            path = resolve_named_model(model) or Path(model)
+        except ModelLoadError as exc:
+            raise SystemExit(f"hearth serve: {exc}") from None
+        if not (path.is_dir() or is_gguf_path(path)):
+            raise SystemExit(f"hearth serve: --model {model}: no such directory or GGUF file")
         return path
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         raise SystemExit(
@@ -204,7 +212,12 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_seqs=args.max_waiting_seqs,
         tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         chat_template_path=args.chat_template,
-        aliases=(str(model_dir), str(model_dir.resolve()), model_dir.name),
+        aliases=(
+            str(model_dir),
+            str(model_dir.resolve()),
+            model_dir.name,
+            *([args.model] if args.model else []),
+        ),
         role=engine_config.role,
         kv_transfer=engine_config.kv_transfer,
         max_request_bytes=args.max_request_bytes,

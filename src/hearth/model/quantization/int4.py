@@ -85,7 +85,7 @@ class Int4LinearMethod(QuantizationMethod):
 
     def process_after_loading(self, layer: Linear) -> None:
         q, scales, zeros, g_idx = self.unpack(layer)
-        layer.int4 = make_int4_weights(q, scales, zeros, self.group_size, g_idx)
+        layer.int4 = make_int4_weights(q, scales, zeros, self.group_size, g_idx, checkpoint_format=True)
         for name in self.checkpoint_params():
             delattr(layer, name)
 
