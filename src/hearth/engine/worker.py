@@ -39,6 +39,7 @@ from hearth.model.loader import load_model
 from hearth.model.quantization.select import resolve_quantization
 from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
+from hearth.ops.attention.backend import AttentionKind
 
 logger = logging.getLogger("hearth.worker")
 
@@ -152,6 +153,7 @@ class Worker:
             dtype=dtype,
             kv_dtype=layout.kv_dtype,
             sliding_window=model_config.sliding_window,
+            layer_kinds=tuple(AttentionKind(*model_config.layer_attention(i)) for i in stage),
         )
         self.sampler = Sampler(sample_vocab_size, set(eos_token_ids))
         self._generators: dict[str, torch.Generator] = {}

@@ -86,6 +86,23 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     rotary_dim: int | None = None  # the rotated dims of each head when not all of them (None: head_dim)
+    # Per-layer attention kinds (transformers' `layer_types`): "full_attention", "sliding_attention" (the last
+    # `sliding_window` positions), "chunked_attention" (`attention_chunk_size`-token chunks). Empty: every
+    # layer full, or windowed when `sliding_window` is set.
+    layer_types: tuple[str, ...] = ()
+    attention_chunk_size: int | None = None
+    no_rope_layers: frozenset[int] = frozenset()  # layers whose queries and keys are not rotated (NoPE)
+
+    def layer_attention(self, layer: int) -> tuple[int | None, int | None]:
+        """(sliding window, chunk size) of decoder layer `layer`'s attention; (None, None) for full attention."""
+        if not self.layer_types:
+            return self.sliding_window, None
+        kind = self.layer_types[layer]
+        if kind == "sliding_attention":
+            return self.sliding_window, None
+        if kind == "chunked_attention":
+            return None, self.attention_chunk_size
+        return None, None
 
     @property
     def rotary_size(self) -> int:
