@@ -25,3 +25,16 @@ def test_qwen2_with_windowed_and_full_layers_matches_transformers(tiny_model_fac
     again = llm.generate(PROMPTS, params)
     assert all(r.cached_tokens > 0 for r in again)
     assert [r.token_ids for r in again] == expected
+
+
+def test_gemma3_sliding_and_full_layers_with_their_own_rotary_match_transformers(tiny_model_factory):
+    model_dir = tiny_model_factory("gemma3")
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory_gib=0.02, page_size=4)
+    kinds = llm.engine.worker.attention.layer_kinds
+    assert [kind.sliding_window for kind in kinds] == [8, 8, None, 8]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [hf_greedy(model_dir, prompt, 12) for prompt in PROMPTS]
+    assert [r.token_ids for r in llm.generate(PROMPTS, params)] == expected
+    again = llm.generate(PROMPTS, params)
+    assert all(r.cached_tokens > 0 for r in again)
+    assert [r.token_ids for r in again] == expected

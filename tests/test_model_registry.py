@@ -32,6 +32,7 @@ def config(arch: str, **fields) -> ModelConfig:
 def test_each_architecture_has_its_own_class():
     assert supported_architectures() == (
         "DeepseekV3ForCausalLM",
+        "Gemma3ForCausalLM",
         "Glm4MoeForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
@@ -48,7 +49,7 @@ def test_each_architecture_has_its_own_class():
 
 def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(
-        ModelLoadError, match="'GPT2LMHeadModel' is not supported; supported: DeepseekV3ForCausalLM, Glm"
+        ModelLoadError, match="'GPT2LMHeadModel' is not supported; supported: DeepseekV3ForCausalLM, Gemma3"
     ):
         get_model_class("GPT2LMHeadModel")
 

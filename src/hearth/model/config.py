@@ -92,6 +92,8 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     attention_chunk_size: int | None = None
     no_rope_layers: frozenset[int] = frozenset()  # layers whose queries and keys are not rotated (NoPE)
+    rope_local_theta: float | None = None  # the sliding layers' own rotary base (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale: 1/sqrt(this), not 1/sqrt(head_dim) (Gemma)
 
     def layer_attention(self, layer: int) -> tuple[int | None, int | None]:
         """(sliding window, chunk size) of decoder layer `layer`'s attention; (None, None) for full attention."""
@@ -167,7 +169,8 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope_parameters(raw, source)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        hidden_act = raw.get("hidden_act", "silu")
+        # Gemma's configs call it hidden_activation.
+        hidden_act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
         if hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
             raise ModelLoadError(f"{source}: hidden_act {hidden_act!r} is not supported (silu, gelu)")
         return cls(
@@ -194,6 +197,8 @@ class ModelConfig:
 def _rope_parameters(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
     # transformers 5 writes `rope_parameters` (theta inside); older checkpoints use rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers' here
+        params = dict(params["full_attention"])
     legacy = raw.get("rope_scaling") or {}
     if legacy:
         params = {**legacy, **params}

@@ -23,7 +23,6 @@ from hearth.model.layers import LayerOptions
 from hearth.model.lazy_tensor import LOADED_BYTES, LazyTensor
 from hearth.model.quantization import get_quantization_method
 from hearth.model.registry import get_model_class
-from hearth.model.rotary import build_cos_sin_table
 from hearth.model.weights import ShardId, TPRank, WeightShapeError, default_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -114,7 +113,7 @@ def build_model(
         # to_empty() gives every module its own storage, untying them
         model.lm_head.weight = model.model.embed_tokens.weight
     # to_empty() left the rotary table uninitialised: build it, in float32.
-    model.cos_sin = build_cos_sin_table(config, max_positions).to(device)
+    model.cos_sin = type(model).rotary_table(config, max_positions).to(device)
     return model
 
 
