@@ -7,7 +7,8 @@ the one a checkpoint directory takes.
 
 What llama.cpp's converter changed, undone here:
 - names: `blk.N.attn_q.weight` etc. (the `gguf` library's tensor name map, read backwards);
-- Llama's q/k rows: permuted so rotary pairs are interleaved; put back to halves (`_unpermute_rows`);
+- Llama's q/k rows: permuted so rotary pairs are interleaved; put back to halves (`_unpermute_order`);
+- Gemma's norm weights: stored as `1 + w` (ggml's RMS norm multiplies by the weight); `w` again here;
 - shapes: `ne` is innermost-first; a quantized tensor is `[rows, bytes per row]` of blocks.
 
 Quantized tensors are handed over as `QuantizedTensor` (the raw blocks, not dequantized): the `gguf`
@@ -35,6 +36,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Tensor types that are plain floats (read as dense weights).
 DENSE_TYPES = ("F32", "F16", "BF16")
@@ -162,6 +164,13 @@ class GGUFCheckpoint:
             }
         if self.arch == "qwen2":
             config["use_sliding_window"] = False
+        if self.arch == "gemma3":
+            # What the file does not say is Gemma 3's (transformers' defaults): five sliding layers, then a full one.
+            config["hidden_activation"] = "gelu_pytorch_tanh"
+            config["sliding_window"] = int(self._arch_key("attention.sliding_window", 4096))
+            config["query_pre_attn_scalar"] = config["head_dim"]
+            config["rope_local_base_freq"] = 10000.0
+            config["torch_dtype"] = "float32"
         return config
 
     def tokenizer_fields(self) -> dict[str, Any]:
@@ -206,6 +215,8 @@ class GGUFCheckpoint:
                 )
                 order = _unpermute_order(value.shape[0], heads)
                 value = value.rows(order) if isinstance(value, QuantizedTensor) else value[order]
+            if self.arch == "gemma3" and tensor.name.endswith("norm.weight") and isinstance(value, torch.Tensor):
+                value = value - 1.0
             yield hf_name, value
 
 

@@ -43,7 +43,10 @@ def tokenizer_from_gguf(fields: dict[str, Any], source: str) -> Tokenizer:
     pre = fields.get("ggml.pre") or "default"
     if model == "gpt2" and pre in _GPT2_SPLIT_PRE:
         return _byte_level_bpe(fields)
-    return _via_transformers(source)
+    backend = _via_transformers(source)
+    # transformers adds BOS/EOS in its tokenizer class, not in the backend: the file's flags say where.
+    backend.post_processor = _post_processor(fields, list(fields["ggml.tokens"]))
+    return backend
 
 
 def _byte_level_bpe(fields: dict[str, Any]) -> Tokenizer:
