@@ -215,7 +215,11 @@ class GGUFCheckpoint:
                 )
                 order = _unpermute_order(value.shape[0], heads)
                 value = value.rows(order) if isinstance(value, QuantizedTensor) else value[order]
-            if self.arch == "gemma3" and tensor.name.endswith("norm.weight") and isinstance(value, torch.Tensor):
+            if (
+                self.arch == "gemma3"
+                and tensor.name.endswith("norm.weight")
+                and isinstance(value, torch.Tensor)
+            ):
                 value = value - 1.0
             yield hf_name, value
 
