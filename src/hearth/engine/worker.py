@@ -38,6 +38,7 @@ from hearth.model.loader import load_model
 from hearth.model.quantization.select import resolve_quantization
 from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
+from hearth.ops.attention.backend import AttentionKind
 from hearth.parallel.state import parallel_state
 from hearth.parallel.topology import rank_kv_heads
 
@@ -155,6 +156,7 @@ class Worker:
             dtype=dtype,
             kv_dtype=layout.kv_dtype,
             sliding_window=model_config.sliding_window,
+            layer_kinds=tuple(AttentionKind(*model_config.layer_attention(i)) for i in stage),
         )
         self.sampler = Sampler(sample_vocab_size, set(eos_token_ids))
         self._generators: dict[str, torch.Generator] = {}

@@ -322,16 +322,24 @@ def port_number(text: str) -> int:
 
 
 def resolve_model_dir(model: str | None, revision: str | None = None, cache_dir: str | None = None) -> Path:
-    """The checkpoint to serve: `--model` (a directory, a GGUF file, or a Hub repo id in the local HF cache),
-    else the bundled demo model. Exits with a message if none exists."""
+    """The checkpoint to serve: `--model` (a directory, a GGUF file, a short name such as `smollm2`
+    (`hearth.model.named_models`), or a Hub repo id in the local HF cache), else the bundled demo model.
+    Exits with a message if none exists."""
     if model is not None:
-        path = Path(model)
-        if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        from hearth.model.config import ModelLoadError
+        from hearth.model.gguf_file import is_gguf_path
+        from hearth.model.named_models import resolve_named_model
+
+        try:
+            path = resolve_named_model(model) or Path(model)
+        except ModelLoadError as exc:
+            raise SystemExit(f"hearth serve: {exc}") from None
+        if path.is_dir() or is_gguf_path(path):
             return path
         from hearth.model.hub_cache import ModelNotCachedError, looks_like_repo_id, resolve_cached_repo
 
         if not looks_like_repo_id(model) or path.exists():
-            raise SystemExit(f"hearth serve: --model {model}: no such directory")
+            raise SystemExit(f"hearth serve: --model {model}: no such directory or GGUF file")
         try:
             return resolve_cached_repo(model, revision, cache_dir)
         except ModelNotCachedError as exc:

@@ -30,6 +30,12 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
+        kinds = self.layer_kinds or (self.default_kind,)
+        if any(kind.chunk_size is not None for kind in kinds):
+            raise ValueError(
+                "chunked local attention runs on the cpu and torch_ref backends "
+                "(HEARTH_ATTENTION_BACKEND=torch_ref on a GPU); the Triton kernels take sliding windows only"
+            )
 
     def prepare(self, step_input: AttentionStepInput) -> TritonMetadata:
         common = self._common_metadata(step_input)
@@ -55,6 +61,7 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = kv_pool.layer(layer_index)
         kv_scales = kv_pool.kv_scales(layer_index)  # per KV head, float32; None when unquantized
         k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+        window = (self.layer_kinds[layer_index] if self.layer_kinds else self.default_kind).sliding_window
         table = metadata.page_table
         if (
             metadata.num_decode_rows == metadata.num_rows
@@ -62,9 +69,9 @@ class TritonBackend(AttentionBackend):
         ):
             return paged_decode(
                 q, k_cache, v_cache, table, metadata.seq_lens, metadata.max_seq_len, scale, self.page_size,
-                sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale,
+                sliding_window=window, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         return paged_attention(
             q, k_cache, v_cache, table, metadata.query_start_loc, metadata.seq_lens, metadata.max_query_len,
-            scale, self.page_size, sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale,
+            scale, self.page_size, sliding_window=window, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
