@@ -205,4 +205,4 @@ def test_a_requests_first_drafted_step_is_not_charged_to_the_payoff():
     speculator.observe("r0", 2, 2)
     speculator.propose([request])
     speculator.step_finished([ScheduledRequest(request, 3, [5, 5])], num_output_tokens=3)
-    assert list(speculator.payoff.cost_s) == [(1, True)]
+    assert list(speculator.payoff.cost_s) == [(1, 2)]  # (batch size bucket, draft cap K)
