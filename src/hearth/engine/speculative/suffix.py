@@ -73,6 +73,10 @@ class SuffixProposer(Proposer):
                 best = other
         return best.token_ids if best is not None else []
 
+    def forget(self) -> None:
+        """Drop every tenant's earlier answers (a benchmark replaying a trace starts each round afresh)."""
+        self.shared = TenantCorpora(self.options.max_tokens_per_tenant, self.options.max_tenants)
+
     def request_done(self, request: ProposalRequest) -> None:
         """Index the finished answer (with its prompt's tail) for the tenant's later requests."""
         num_prompt = request.num_prompt_tokens

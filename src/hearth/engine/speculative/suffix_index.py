@@ -17,13 +17,14 @@ never shape another's drafts (nor their timing).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
 
 SEPARATOR = -1  # between answers in a shared corpus: matches no token, ends every continuation
 _MAX_CANDIDATES = 512  # most recent places kept once a match is this common (recency predicts best)
+_MAX_SCANNED = 4096  # most recent places of the last token compared further
 
 
 @dataclass(slots=True)
@@ -46,19 +47,17 @@ def longest_match(
     Every returned p has a next token at p + 1 < end."""
     if len(context) == 0 or end < 2:
         return np.empty(0, dtype=np.int64), 0
-    candidates = np.flatnonzero(corpus[: end - 1] == context[-1])
+    candidates = np.flatnonzero(corpus[: end - 1] == context[-1])[-_MAX_SCANNED:]
     if len(candidates) == 0:
         return candidates, 0
-    depth = 1
-    limit = min(max_depth, len(context))
-    while depth < limit:
-        previous = candidates - depth
-        keep = candidates[(previous >= 0) & (corpus[np.maximum(previous, 0)] == context[-1 - depth])]
-        if len(keep) == 0:
-            break
-        candidates = keep
-        depth += 1
-    return candidates[-_MAX_CANDIDATES:], depth
+    depth = min(max_depth, len(context))
+    # Each candidate's window backwards against the context's tail reversed, all in one gather: the
+    # length of the leading run of agreement is the match length at that place.
+    back = candidates[:, None] - np.arange(depth)[None, :]
+    agree = (corpus[np.maximum(back, 0)] == context[::-1][None, :depth]) & (back >= 0)
+    lengths = np.where(agree.all(axis=1), depth, agree.argmin(axis=1))
+    best = int(lengths.max())
+    return candidates[lengths == best][-_MAX_CANDIDATES:], best
 
 
 def draft_length(match_length: int, max_tokens: int, tokens_per_match: float) -> int:
@@ -79,11 +78,27 @@ def continuation(
         following = following[following < end]
         if len(following) == 0:
             break
+        if len(following) == 1:  # one place left: its tokens up to the end or a separator, in one slice
+            start = int(following[0])
+            run = corpus[start : min(end, start + max_tokens - len(tokens))]
+            stops = np.flatnonzero(run == SEPARATOR)
+            run = run[: stops[0]] if len(stops) else run
+            if 1 / total >= min_probability:
+                tokens.extend(run.tolist())
+                probabilities.extend([1 / total] * len(run))
+            break
         nexts = corpus[following]
-        values, counts = np.unique(nexts, return_counts=True)
-        best = int(counts.max())
-        winners = values[counts == best]
-        token = int(winners[0]) if len(winners) == 1 else int(nexts[np.isin(nexts, winners)][-1])
+        if len(nexts) <= 64:  # few places: counting in Python beats np.unique's sort
+            listed = nexts.tolist()
+            counts = Counter(listed)
+            best = max(counts.values())
+            # Ties: the most recent place's token (places are in corpus order).
+            token = next(t for t in reversed(listed) if counts[t] == best)
+        else:
+            values, value_counts = np.unique(nexts, return_counts=True)
+            best = int(value_counts.max())
+            winners = values[value_counts == best]
+            token = int(winners[0]) if len(winners) == 1 else int(nexts[np.isin(nexts, winners)][-1])
         probability = best / total
         if token == SEPARATOR or probability < min_probability:
             break
