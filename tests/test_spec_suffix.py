@@ -166,3 +166,17 @@ def test_sampled_tokens_after_suffix_drafts_keep_the_target_distribution(tmp_pat
     drafted[counts.argmax()] += 200
     biased = torch.cat([drafted[~small], drafted[small].sum().reshape(1)])
     assert float(((biased - expected_cells) ** 2 / expected_cells).sum()) > critical
+
+
+def test_the_cli_offers_suffix_and_needs_no_model():
+    import argparse
+
+    from hearth.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args(["--speculative-method", "suffix", "--num-speculative-tokens", "8"])
+    config = EngineConfig.from_cli_args(args, model="m")
+    assert config.speculative_method == "suffix" and config.num_speculative_tokens == 8
+    with pytest.raises(ValueError, match="invalid suffix decoding options"):
+        SuffixOptions(min_probability=0.0)
