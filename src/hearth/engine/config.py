@@ -323,8 +323,10 @@ class EngineConfig:
         spec.add_argument(
             "--speculative-method",
             default=None,
-            choices=("draft", "ngram", "eagle3"),
-            help="propose tokens for the target to verify: a draft model, prompt lookup (ngram), or an EAGLE-3 head",
+            choices=("draft", "ngram", "suffix", "eagle3"),
+            help="propose tokens for the target to verify: a draft model, prompt lookup (ngram), suffix decoding "
+            "over the request and its tenant's earlier answers (suffix; try --num-speculative-tokens 8), or an "
+            "EAGLE-3 head",
         )
         spec.add_argument(
             "--speculative-model",
