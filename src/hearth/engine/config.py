@@ -76,6 +76,8 @@ class EngineConfig:
     # step (0: auto, 2 x stages; 1: none), and the layers per stage (None: balanced by the cost model).
     pipeline_micro_batches: int = 0
     pipeline_stage_layers: tuple[int, ...] | None = None
+    # CUDA graphs for decode steps off (vLLM's --enforce-eager); they are on by default on CUDA.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -300,6 +302,12 @@ class EngineConfig:
             type=lambda text: tuple(int(n) for n in text.split(",")),
             default=None,
             help="layers per pipeline stage, e.g. 30,31 (default: balanced by a cost model measured at start)",
+        )
+
+        group.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            help="run every step eagerly: no CUDA graphs for decode steps (they are captured at start on CUDA)",
         )
 
     @classmethod

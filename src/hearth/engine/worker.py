@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from hearth.engine.config import EngineConfig
+from hearth.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_ROWS, DecodeGraphs, wants_decode_graphs
 from hearth.engine.fp8_kv_scales import init_fp8_kv_scales
 from hearth.engine.kv_integrity import without_rows
 from hearth.engine.outputs import TokenLogprob
@@ -36,7 +37,7 @@ from hearth.model.config import ModelConfig
 from hearth.model.loader import load_model
 from hearth.model.quantization.select import resolve_quantization
 from hearth.ops import cpu_kernels
-from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
+from hearth.ops.attention import AttentionBackend, AttentionContext, AttentionMetadata, select_backend
 from hearth.parallel.state import parallel_state
 from hearth.parallel.topology import rank_kv_heads
 
@@ -127,7 +128,10 @@ class Worker:
             quant_config=quant_config,
         )
         layout = dataclasses.replace(layout, num_layers=len(stage))
-        self.kv_pool = KVPool(layout, num_pages, self.device)
+        backend_cls = select_backend(self.device)
+        # [i31] Decode CUDA graphs: their padding rows use one scratch page past the cache manager's.
+        graphs = wants_decode_graphs(config.enforce_eager, self.device, backend_cls, parallel)
+        self.kv_pool = KVPool(layout, num_pages + int(graphs), self.device)
         if self.kv_pool.quantized:
             # Sharded: the pool holds this stage's layers and this rank's KV heads, and so do its scales.
             sharded = parallel.pp_size > 1 or parallel.tp_size > 1
@@ -143,7 +147,6 @@ class Worker:
         self.page_tag_check = make_page_tag_check(config.kv_integrity)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
         max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
-        backend_cls = select_backend(self.device)
         self.attention: AttentionBackend = backend_cls(
             device=self.device,
             page_size=layout.page_size,
@@ -158,6 +161,9 @@ class Worker:
         # Called with each step after the model's forward (an EAGLE-3 proposer takes the step's aux hidden states).
         self.after_forward: Callable[[StepInput], None] | None = None
         torch.manual_seed(config.seed)
+        self.decode_graphs: DecodeGraphs | None = None  # [i31]
+        if graphs:
+            self.decode_graphs = self._capture_decode_graphs(num_pages, config.max_num_seqs)
         if self.device.type == "cpu":
             # Compiled CPU kernels, loaded (or built, the first time) in the background so they never delay
             # readiness; the torch paths serve until they are there.
@@ -219,6 +225,10 @@ class Worker:
         return self._forward_one(step)
 
     def _forward_one(self, step: StepInput) -> torch.Tensor | None:
+        if self.decode_graphs is not None and self.after_forward is None:  # [i31] replay a captured step
+            logits = self.decode_graphs.run(step)
+            if logits is not None:
+                return logits
         num_tokens = len(step.token_ids)
         ids = torch.tensor(step.token_ids + step.positions + step.logits_indices, dtype=torch.long)
         if self.device.type == "cuda":  # pinned, so the copy is asynchronous
@@ -230,6 +240,34 @@ class Worker:
         logits = self.model(ids[:num_tokens], ids[num_tokens : 2 * num_tokens], ctx, ids[2 * num_tokens :])
         if self.after_forward is not None:
             self.after_forward(step)
+        return logits
+
+    # [i31] decode CUDA graphs (hearth.engine.cuda_graphs)
+    def _capture_decode_graphs(self, scratch_page: int, max_num_seqs: int) -> DecodeGraphs | None:
+        graphs = DecodeGraphs(
+            self._graph_forward,
+            self.attention,
+            scratch_page=scratch_page,
+            max_rows=min(max_num_seqs, DEFAULT_MAX_CAPTURE_ROWS),
+            capture=self.device.type == "cuda",  # elsewhere (tests) the same steps, run eagerly
+        )
+        try:
+            graphs.capture()
+        except Exception:  # a model with a host sync in its forward: eager steps still work
+            logger.warning("decode graphs could not be captured; every step runs eagerly", exc_info=True)
+            return None
+        return graphs
+
+    def _graph_forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx = AttentionContext(self.attention, metadata, self.kv_pool)
+        logits = self.model(ids, positions, ctx, logits_indices)
+        assert logits is not None  # graphs are captured on a single stage only
         return logits
 
     def _sample(self, logits: torch.Tensor, sampling: list[StepSamplingRow]) -> StepOutput:
