@@ -162,7 +162,7 @@ def hf_generate(model, device: torch.device, prompts: torch.Tensor, output_len: 
 def hearth_generate(llm: LLM, prompts: torch.Tensor, output_len: int) -> tuple[float, list]:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     token_lists = prompts.tolist()
-    llm.generate(token_lists[:1], params)  # warm-up
+    llm.generate(token_lists, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     results = llm.generate(token_lists, params)
     seconds = time.perf_counter() - start

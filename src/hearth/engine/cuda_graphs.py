@@ -161,6 +161,7 @@ class DecodeGraphs:
         self.num_replays = 0
         self.capture_bytes = 0
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Captures every size, largest first (the smaller graphs reuse the largest one's pool blocks)."""
         start = time.perf_counter()

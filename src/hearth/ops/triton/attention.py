@@ -248,10 +248,11 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     context_len = tl.load(seq_lens_ptr + row)
     first_pos = tl.where(sliding_window > 0, tl.maximum(context_len - sliding_window, 0), 0)
-    if keys_per_split <= 0:  # per row (CUDA graphs: no host-side length baked into the launch)
-        keys_per_split = tl.cdiv(tl.cdiv(context_len - first_pos, num_splits), BLOCK_N) * BLOCK_N
-    split_start = first_pos + split * keys_per_split
-    split_end = tl.minimum(split_start + keys_per_split, context_len)
+    # keys_per_split 0: each row cuts its own context (CUDA graphs: no host-side length baked into the launch)
+    row_split = (tl.cdiv(tl.cdiv(context_len - first_pos, num_splits), BLOCK_N) * BLOCK_N).to(tl.int32)
+    split_keys = tl.where(keys_per_split > 0, keys_per_split, row_split)
+    split_start = first_pos + split * split_keys
+    split_end = tl.minimum(split_start + split_keys, context_len)
 
     offs_g = tl.arange(0, GROUP_PADDED)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
