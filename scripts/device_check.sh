@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short GPU check (run through the device tool when a task has a GPU lent), under 7 minutes. Each
+# One short GPU check (run through the device tool when a task has a GPU lent), under 8 minutes. Each
 # part has its own time limit and its output goes to $OUT, so one part failing or running long does not
 # lose the others:
 #   1. decode of a Llama-3-8B-shaped model at batch 1, 8, 64, eager and on CUDA graphs (tok/s, achieved
@@ -40,12 +40,13 @@ timeout 120 python3 scripts/bench_gpu_decode.py --batch-sizes 1,8,64 --context 1
 echo "== 2. MoE  [${SECONDS}s]"
 timeout 110 python3 scripts/bench_gpu_moe.py --json "$OUT/moe.json" 2>&1 | grep -v -E "Loading weights|Writing model" \
   | tee "$OUT/moe.txt"
-echo "== 3. engine tests on CUDA (decode graphs on)  [${SECONDS}s]"
-timeout 120 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_cuda_graphs.py \
-  tests/test_engine_correctness.py tests/test_kv_fp8_engine.py tests/test_moe_models.py \
-  2>&1 | tee "$OUT/engine-tests.txt" | tail -25
+echo "== 3. decode graph tests, then engine tests on CUDA (decode graphs on)  [${SECONDS}s]"
+timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_cuda_graphs.py \
+  2>&1 | tee "$OUT/graph-tests.txt" | tail -15
+timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --durations=5 tests/test_engine_correctness.py \
+  tests/test_kv_fp8_engine.py tests/test_moe_models.py 2>&1 | tee "$OUT/engine-tests.txt" | tail -25
 echo "== 4. Triton kernel tests  [${SECONDS}s]"
 timeout 50 python3 -m pytest -q -p no:cacheprovider -m triton tests/test_triton_kernels.py \
   tests/test_attention_backends.py 2>&1 | tee "$OUT/triton-tests.txt" | tail -15
 echo "== summary  [${SECONDS}s]"
-tail -5 "$OUT/decode.txt"; tail -5 "$OUT/moe.txt"; tail -1 "$OUT/engine-tests.txt"; tail -1 "$OUT/triton-tests.txt"
+tail -5 "$OUT/decode.txt"; tail -5 "$OUT/moe.txt"; tail -1 "$OUT/graph-tests.txt"; tail -1 "$OUT/engine-tests.txt"; tail -1 "$OUT/triton-tests.txt"

@@ -165,7 +165,11 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Captures every size, largest first (the smaller graphs reuse the largest one's pool blocks)."""
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.device)[0] if self.use_cuda_graphs else 0
+        free_before = 0
+        if self.use_cuda_graphs:  # capture empties torch's cache: empty it first, or the figure counts that
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         for rows in reversed(self.sizes):
             self._replays[rows] = self._capture_one(rows, pool)

@@ -74,6 +74,10 @@ def fused_moe(
         gate, up = gate_up.split(intermediate, dim=-1)
         expert_out = torch._grouped_mm(activation(gate) * up, down_weights.transpose(-2, -1), offs=group_ends)
     else:
+        if capturing:  # before the host read below, which would break the capture with a CUDA error
+            raise RuntimeError(
+                "the per-expert MoE loop reads expert counts on the host: it cannot be captured"
+            )
         expert_out = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts.tolist()):
