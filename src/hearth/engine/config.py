@@ -78,6 +78,9 @@ class EngineConfig:
     pipeline_stage_layers: tuple[int, ...] | None = None
     # CUDA graphs for decode steps off (vLLM's --enforce-eager); they are on by default on CUDA.
     enforce_eager: bool = False
+    # Overlap scheduling (hearth.engine.overlap): the host builds step N+1 while the worker runs step N.
+    # None: on with an accelerator, off on a CPU.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -308,6 +311,12 @@ class EngineConfig:
             "--enforce-eager",
             action="store_true",
             help="run every step eagerly: no CUDA graphs for decode steps (they are captured at start on CUDA)",
+        )
+        group.add_argument(
+            "--async-scheduling",
+            type=_on_off,
+            default=None,
+            help="on/off: build the next decode step while the current one runs (default: on with a GPU)",
         )
 
     @classmethod

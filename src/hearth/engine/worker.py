@@ -162,6 +162,7 @@ class Worker:
         self.after_forward: Callable[[StepInput], None] | None = None
         torch.manual_seed(config.seed)
         self.decode_graphs: DecodeGraphs | None = None  # [i31]
+        self._last_sampled: list[list[int]] = []  # [i31] the previous step's tokens, for overlap scheduling
         if graphs:
             self.decode_graphs = self._capture_decode_graphs(num_pages, config.max_num_seqs)
         if self.device.type == "cpu":
@@ -176,8 +177,17 @@ class Worker:
             quantization,
         )
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        if step.previous_rows:  # [i31] overlap scheduling: the tokens the last step sampled
+            previous = self._last_sampled
+            step.token_ids = [previous[row][-1] if row < len(previous) and previous[row] else 0
+                              for row in step.previous_rows]  # fmt: skip
+        output = self._execute(step)
+        self._last_sampled = output.sampled_token_ids
+        return output
+
+    @torch.inference_mode()
+    def _execute(self, step: StepInput) -> StepOutput:
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         if step.tag_page_ids:
