@@ -78,7 +78,7 @@ class Engine:
         if overlap is None:
             overlap = isinstance(worker, Worker) and worker.device.type != "cpu"
         overlap = overlap and isinstance(worker, Worker) and speculator is None and not kv_connectors
-        self.runner = StepRunner(worker.execute, overlap)
+        self.runner = StepRunner(worker.execute, overlap, worker.device if overlap else None)
         self._in_flight: LaunchedStep | None = None  # overlap: the step on the worker, launched last step()
         self.num_overlapped_steps = 0
 

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
 from hearth.engine.step_input import StepInput, StepInputBuilder, StepSamplingRow
@@ -47,9 +49,13 @@ class LaunchedStep:
 class StepRunner:
     """Runs `execute(step)` for each launched step: on one background thread (overlap), or at once."""
 
-    def __init__(self, execute: Callable, overlap: bool) -> None:
+    def __init__(self, execute: Callable, overlap: bool, device: torch.device | None = None) -> None:
         self._execute = execute
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="hearth-step") if overlap else None
+        self._thread = None
+        if overlap:  # a new thread's current CUDA device is 0: make it the worker's
+            on_device = device is not None and device.type == "cuda"
+            initializer = (lambda: torch.cuda.set_device(device)) if on_device else None
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="hearth-step", initializer=initializer)
 
     @property
     def overlaps(self) -> bool:
