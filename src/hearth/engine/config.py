@@ -89,6 +89,11 @@ class EngineConfig:
     session_retention_s: float = 0.0
     session_retention_share: float = 0.25
     session_retention_tenant_share: float = 0.1
+    # CUDA graphs for decode steps off (vLLM's --enforce-eager); they are on by default on CUDA.
+    enforce_eager: bool = False
+    # Overlap scheduling (hearth.engine.overlap): the host builds step N+1 while the worker runs step N.
+    # None: on with an accelerator, off on a CPU.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -379,6 +384,18 @@ class EngineConfig:
             type=lambda text: tuple(int(n) for n in text.split(",")),
             default=None,
             help="layers per pipeline stage, e.g. 30,31 (default: balanced by a cost model measured at start)",
+        )
+
+        group.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            help="run every step eagerly: no CUDA graphs for decode steps (they are captured at start on CUDA)",
+        )
+        group.add_argument(
+            "--async-scheduling",
+            type=_on_off,
+            default=None,
+            help="on/off: build the next decode step while the current one runs (default: on with a GPU)",
         )
 
     @classmethod

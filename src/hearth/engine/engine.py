@@ -18,6 +18,7 @@ from hearth.engine.kv_connector import KVConnector, KVLoadCoordinator
 from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR, KVIntegrityPolicy
 from hearth.engine.messages import CoreOutput, EngineRequest, EngineStats
 from hearth.engine.outputs import FinishReason, TokenLogprob
+from hearth.engine.overlap import LaunchedStep, StepRunner, continuation, continues
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
@@ -74,6 +75,14 @@ class Engine:
         self._deferred: dict[str, CoreOutput] = {}
         self._prompt_logprobs = 0  # live requests that asked for prompt logprobs (issue 27): 0 costs nothing
         self.kv_transfer_endpoint: str | None = None  # decode role: set by the factory
+        # Overlap scheduling (hearth.engine.overlap): one process's own worker, no drafts, no KV from elsewhere.
+        overlap = config.async_scheduling
+        if overlap is None:
+            overlap = isinstance(worker, Worker) and worker.device.type != "cpu"
+        overlap = overlap and isinstance(worker, Worker) and speculator is None and not kv_connectors
+        self.runner = StepRunner(worker.execute, overlap, worker.device if overlap else None)
+        self._in_flight: LaunchedStep | None = None  # overlap: the step on the worker, launched last step()
+        self.num_overlapped_steps = 0
 
     @property
     def vocab_size(self) -> int:
@@ -90,12 +99,13 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._deferred) or self.kv_loads.busy
+        in_flight = self._in_flight is not None
+        return self.scheduler.has_work or bool(self._deferred) or self.kv_loads.busy or in_flight
 
     @property
     def has_runnable_work(self) -> bool:
         """Requests a step would compute; without them the loop sleeps until KV news or a message."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._in_flight)
 
     @property
     def only_waiting_for_kv(self) -> bool:
@@ -113,6 +123,7 @@ class Engine:
     def close(self) -> None:
         """Stop the KV connectors' threads (queued tier writes get a moment to finish)."""
         self.kv_loads.close()
+        self.runner.close()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -169,23 +180,44 @@ class Engine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)  # drafts for the scheduler to add to decode rows
         sent = self._sent_outputs() if self._deferred else []
+        # Step N: launched by the previous step() when overlapping, else scheduled and run now.
+        step = self._in_flight or self._schedule_and_launch()
+        if step is None:
+            return sent
+        self._in_flight = self._launch_continuation(step.batch) if self.runner.overlaps else None
+        step_output = step.result()
+        if step.prompt_chunks:
+            prompt_logprobs.collect(step.prompt_chunks, step_output.prompt_logprobs)
+        outputs = self._process_outputs(step.batch, step_output, step.samples)
+        if self.speculator is not None:  # what the step cost decides whether drafts pay at this batch size
+            self.speculator.step_finished(step.batch, sum(len(o.new_token_ids) for o in outputs))
+        return sent + outputs
+
+    def _schedule_and_launch(self) -> LaunchedStep | None:
         scheduled = self.scheduler.schedule()
         self._totals["preempted"] += len(scheduled.preempted)
         self.step_inputs.pages_allocated(*self.kv.take_allocated())  # the pool's tags, from the allocator
         self.kv_loads.start(scheduled.kv_loads)
         if not scheduled.scheduled:
-            return sent
+            return None
         step_input = self.step_inputs.build(scheduled.scheduled, self.structured)
+        # Prompt logprobs ride on the step's own forward: the rows are added before it launches.
         prompt_chunks = (
             prompt_logprobs.plan(step_input, scheduled.scheduled) if self._prompt_logprobs else None
         )
-        step_output = self.worker.execute(step_input)
-        if prompt_chunks:
-            prompt_logprobs.collect(prompt_chunks, step_output.prompt_logprobs)
-        outputs = self._process_outputs(scheduled.scheduled, step_output)
-        if self.speculator is not None:  # what the step cost decides whether drafts pay at this batch size
-            self.speculator.step_finished(scheduled.scheduled, sum(len(o.new_token_ids) for o in outputs))
-        return sent + outputs
+        launched = self.runner.launch(scheduled.scheduled, step_input)
+        launched.prompt_chunks = prompt_chunks
+        return launched
+
+    def _launch_continuation(self, batch: list[ScheduledRequest]) -> LaunchedStep | None:
+        """Overlap: step N+1 launched before N's tokens are read, when it is N's decode rows one further."""
+        if not continues(batch, self.scheduler):
+            return None
+        built = continuation(batch, self.kv, self.step_inputs)
+        if built is None:
+            return None
+        self.num_overlapped_steps += 1
+        return self.runner.launch(*built)
 
     def _sent_outputs(self) -> list[CoreOutput]:
         """The held-back last outputs of prefill requests whose KV send just ended."""
@@ -197,10 +229,13 @@ class Engine:
                 outputs.append(output)
         return outputs
 
-    def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[CoreOutput]:
+    def _process_outputs(
+        self, batch: list[ScheduledRequest], step_output: StepOutput, samples: list[bool] | None = None
+    ) -> list[CoreOutput]:
         """Stop the rows that failed the KV integrity check, cut each other row's tokens where the request
         ends, advance the scheduler, and report."""
-        samples = [item.samples for item in batch]  # read before a failure resets a request's progress
+        if samples is None:  # read before a failure resets a request's progress
+            samples = [item.samples for item in batch]
         failed = self._stop_failed_rows(batch, step_output.kv_mismatches) if step_output.kv_mismatches else []
         kept_tokens: list[list[int]] = []
         endings: list[tuple[Request, list[int], list[TokenLogprob] | None, FinishReason | None]] = []

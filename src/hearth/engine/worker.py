@@ -22,6 +22,7 @@ import torch
 
 from hearth.engine import prompt_logprobs
 from hearth.engine.config import EngineConfig
+from hearth.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_ROWS, DecodeGraphs, wants_decode_graphs
 from hearth.engine.fp8_kv_scales import init_fp8_kv_scales
 from hearth.engine.kv_integrity import without_rows
 from hearth.engine.outputs import TokenLogprob
@@ -37,7 +38,7 @@ from hearth.model.config import ModelConfig
 from hearth.model.loader import load_model
 from hearth.model.quantization.select import resolve_quantization
 from hearth.ops import cpu_kernels
-from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
+from hearth.ops.attention import AttentionBackend, AttentionContext, AttentionMetadata, select_backend
 from hearth.ops.attention.backend import AttentionKind
 from hearth.parallel.state import parallel_state
 from hearth.parallel.topology import rank_kv_heads
@@ -131,7 +132,10 @@ class Worker:
             quant_config=quant_config,
         )
         layout = dataclasses.replace(layout, num_layers=len(stage))
-        self.kv_pool = KVPool(layout, num_pages, self.device)
+        backend_cls = select_backend(self.device)
+        # [i31] Decode CUDA graphs: their padding rows use one scratch page past the cache manager's.
+        graphs = wants_decode_graphs(config.enforce_eager, self.device, backend_cls, parallel)
+        self.kv_pool = KVPool(layout, num_pages + int(graphs), self.device)
         if self.kv_pool.quantized:
             # Sharded: the pool holds this stage's layers and this rank's KV heads, and so do its scales.
             sharded = parallel.pp_size > 1 or parallel.tp_size > 1
@@ -147,7 +151,6 @@ class Worker:
         self.page_tag_check = make_page_tag_check(config.kv_integrity)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
         max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
-        backend_cls = select_backend(self.device)
         self.attention: AttentionBackend = backend_cls(
             device=self.device,
             page_size=layout.page_size,
@@ -163,6 +166,10 @@ class Worker:
         # Called with each step after the model's forward (an EAGLE-3 proposer takes the step's aux hidden states).
         self.after_forward: Callable[[StepInput], None] | None = None
         torch.manual_seed(config.seed)
+        self.decode_graphs: DecodeGraphs | None = None  # [i31]
+        self._last_sampled: list[list[int]] = []  # [i31] the previous step's tokens, for overlap scheduling
+        if graphs:
+            self.decode_graphs = self._capture_decode_graphs(num_pages, config.max_num_seqs)
         if self.device.type == "cpu":
             # Compiled CPU kernels, loaded (or built, the first time on a machine) before the server is
             # ready: a compile never competes with serving. A failed build leaves the torch paths.
@@ -175,8 +182,17 @@ class Worker:
             quantization,
         )
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        if step.previous_rows:  # [i31] overlap scheduling: the tokens the last step sampled
+            previous = self._last_sampled
+            step.token_ids = [previous[row][-1] if row < len(previous) and previous[row] else 0
+                              for row in step.previous_rows]  # fmt: skip
+        output = self._execute(step)
+        self._last_sampled = output.sampled_token_ids
+        return output
+
+    @torch.inference_mode()
+    def _execute(self, step: StepInput) -> StepOutput:
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         if step.tag_page_ids:
@@ -238,6 +254,10 @@ class Worker:
         return self._forward_one(step)
 
     def _forward_one(self, step: StepInput) -> torch.Tensor | None:
+        if self.decode_graphs is not None and self.after_forward is None:  # [i31] replay a captured step
+            logits = self.decode_graphs.run(step)
+            if logits is not None:
+                return logits
         num_tokens = len(step.token_ids)
         # Prompt-logprob rows (issue 27) ride after the sampled ones; `_run` splits them off.
         logits_indices = (
@@ -255,6 +275,34 @@ class Worker:
         logits = self.model(ids[:num_tokens], ids[num_tokens : 2 * num_tokens], ctx, ids[2 * num_tokens :])
         if self.after_forward is not None:
             self.after_forward(step)
+        return logits
+
+    # [i31] decode CUDA graphs (hearth.engine.cuda_graphs)
+    def _capture_decode_graphs(self, scratch_page: int, max_num_seqs: int) -> DecodeGraphs | None:
+        graphs = DecodeGraphs(
+            self._graph_forward,
+            self.attention,
+            scratch_page=scratch_page,
+            max_rows=min(max_num_seqs, DEFAULT_MAX_CAPTURE_ROWS),
+            capture=self.device.type == "cuda",  # elsewhere (tests) the same steps, run eagerly
+        )
+        try:
+            graphs.capture()
+        except Exception:  # a model with a host sync in its forward: eager steps still work
+            logger.warning("decode graphs could not be captured; every step runs eagerly", exc_info=True)
+            return None
+        return graphs
+
+    def _graph_forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx = AttentionContext(self.attention, metadata, self.kv_pool)
+        logits = self.model(ids, positions, ctx, logits_indices)
+        assert logits is not None  # graphs are captured on a single stage only
         return logits
 
     def _sample(self, logits: torch.Tensor, sampling: list[StepSamplingRow]) -> StepOutput:

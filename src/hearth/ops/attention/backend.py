@@ -122,6 +122,8 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Whether `decode_graph_metadata` exists: decode steps can be captured as CUDA graphs (hearth.engine.cuda_graphs).
+    supports_decode_graphs: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -168,6 +170,14 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor: ...
+
+    def decode_graph_metadata(
+        self, num_rows: int, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+    ) -> AttentionMetadata:
+        """Metadata of an all-decode step of `num_rows` rows over static tensors that each replay refills
+        (and over `page_table_buffer[:num_rows]`): nothing in it may depend on one step's lengths, since a
+        captured graph keeps whatever the host decided at capture."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot be captured in a graph")
 
     def _common_metadata(self, step: AttentionStepInput) -> AttentionMetadata:
         """The cu_seqlens tensors and the page table, moved to the device in one transfer."""
