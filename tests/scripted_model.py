@@ -17,16 +17,23 @@ from hearth.server.chat_template import ChatTemplate
 def scripted_model(
     root: Path, answer: list[str], messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
 ) -> Path:
+    import shutil
+
     import torch
     from safetensors.torch import load_file, save_file
     from tokenizers import AddedToken, Tokenizer
 
     assert len(set(answer)) == len(answer), "pieces must be distinct"
-    path = make_tiny_model(root / "scripted", vocab_size=520)
+    # make_tiny_model shares one tokenizer per size between the models it makes (copied from the first
+    # one's directory): the copy is changed here, never a directory another model's tokenizer comes from.
+    base = make_tiny_model(root / "scripted-base", vocab_size=640)
+    path = root / "scripted"
+    shutil.copytree(base, path)
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     tokenizer.add_tokens([AddedToken(piece, normalized=False, special=False) for piece in answer])
     tokenizer.save(str(path / "tokenizer.json"))
     answer_ids = [tokenizer.token_to_id(piece) for piece in answer]
+    assert max(answer_ids) < 640, "the embedding has 640 rows"
     eos_id = tokenizer.token_to_id("<|im_end|>")
     prompt = ChatTemplate.from_dir(path).render(messages, tools=tools, add_generation_prompt=True)
     last_prompt_id = tokenizer.encode(prompt, add_special_tokens=False).ids[-1]

@@ -70,3 +70,15 @@ def test_a_responses_chain_and_a_messages_user_are_sessions(server: ServerProces
     }
     httpx.post(server.url + "/v1/messages", json=body, timeout=60).raise_for_status()
     assert _metric(server, "kv_retained_sessions") == before + 2
+
+
+def test_anthropic_cache_control_marks_a_prefix_to_retain(server: ServerProcess) -> None:
+    before = _metric(server, "kv_retained_sessions")
+    system = [{"type": "text", "text": "You are a weather bot.", "cache_control": {"type": "ephemeral"}}]
+    body = {"model": "demo", "max_tokens": 4, "messages": MESSAGES, "system": system}
+    for _ in range(2):  # the same cached prefix: one session
+        httpx.post(server.url + "/v1/messages", json=body, timeout=60).raise_for_status()
+    assert _metric(server, "kv_retained_sessions") == before + 1
+    unmarked = {**body, "system": "You are a weather bot."}
+    httpx.post(server.url + "/v1/messages", json=unmarked, timeout=60).raise_for_status()
+    assert _metric(server, "kv_retained_sessions") == before + 1

@@ -9,6 +9,7 @@ events: `message_start`, then per block `content_block_start`, `content_block_de
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -107,7 +108,7 @@ async def count_tokens(state: ServerState, request: CountTokensRequest) -> dict[
 
 async def create_message(state: ServerState, request: MessagesRequest, raw: Request) -> Response:
     user_id = request.metadata.user_id if request.metadata else None
-    session = session_key(raw.headers, {"metadata": {"user_id": user_id}})
+    session = session_key(raw.headers, {"metadata": {"user_id": user_id}}) or _cache_control_session(request)
     run = await prepare_chat(state, _chat_request(request, request.stream), raw, "msg", session)
     message = _Message(state, request, run)
     return await respond(raw, request.stream, message.stream, message.complete, run.generation.close)
@@ -303,6 +304,28 @@ class _Message:
             yield _sse(anthropic_error_body(error.status_code, error.message))
         finally:
             self.run.generation.close()
+
+
+def _cache_control_session(request: MessagesRequest) -> str | None:
+    """`cache_control` breakpoints as a retention hint: a request that marks its prefix for caching, and names
+    no session otherwise, is retained as a session named by that prefix (its system prompt and tools)."""
+    blocks: list[Any] = [
+        *(request.system if isinstance(request.system, list) else []),
+        *(request.tools or []),
+    ]
+    for message in request.messages:
+        if isinstance(message.content, list):
+            blocks.extend(message.content)
+    marked = any(
+        (block.get("cache_control") if isinstance(block, dict) else getattr(block, "cache_control", None))
+        for block in blocks
+    )
+    if not marked:
+        return None
+    prefix = json.dumps(
+        [request.system, [tool.model_dump() for tool in request.tools or []]], sort_keys=True, default=str
+    )
+    return "cc:" + hashlib.sha256(prefix.encode()).hexdigest()[:24]
 
 
 def _input_object(arguments: str) -> dict[str, Any]:
