@@ -146,7 +146,9 @@ def test_last_layer_finishes_only_the_sampled_rows_of_a_prefill(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=40)
     model = llm.engine.worker.model
     mlp_rows: list[int] = []
-    hook = model.model.layers[-1].mlp.register_forward_pre_hook(lambda _m, args: mlp_rows.append(args[0].shape[0]))
+    hook = model.model.layers[-1].mlp.register_forward_pre_hook(
+        lambda _m, args: mlp_rows.append(args[0].shape[0])
+    )
     try:
         results = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
     finally:

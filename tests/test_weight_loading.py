@@ -74,7 +74,10 @@ def test_tensor_parallel_slices_put_together_give_the_checkpoint(tiny_model_fact
         down = torch.cat([m.down_proj.weight for m in mlps], dim=1)
         assert torch.equal(down, tensors[f"{hf}mlp.down_proj.weight"])
     # The embedding and LM head by vocabulary rows (the last block padded past the vocabulary).
-    for module, name in ((lambda m: m.model.embed_tokens, "model.embed_tokens.weight"), (lambda m: m.lm_head, "lm_head.weight")):
+    for module, name in (
+        (lambda m: m.model.embed_tokens, "model.embed_tokens.weight"),
+        (lambda m: m.lm_head, "lm_head.weight"),
+    ):
         whole = tensors[name]
         rows = torch.cat([module(rank).weight for rank in ranks])
         assert torch.equal(rows[: whole.shape[0]], whole)

@@ -52,7 +52,8 @@ class DecoderModel(nn.Module):
             else MissingLayer()
         )
         self.layers = nn.ModuleList(
-            layer_class(config, i, options) if i in stage else MissingLayer() for i in range(config.num_layers)
+            layer_class(config, i, options) if i in stage else MissingLayer()
+            for i in range(config.num_layers)
         )
         if stage.start:
             for i in stage:
@@ -164,7 +165,11 @@ class CausalLM(nn.Module):
         if quantize_head is not None and self.model.is_last_stage:
             # `--quantization int4`: the head is the largest matrix of a small model.
             self.lm_head_int4 = quantize_head(self.lm_head.weight)
-        if self.lm_head_int4 is None and self.model.is_last_stage and self.lm_head.weight.device.type == "cpu":
+        if (
+            self.lm_head_int4 is None
+            and self.model.is_last_stage
+            and self.lm_head.weight.device.type == "cpu"
+        ):
             self.lm_head_weights = prepare_linear_weights(self.lm_head.weight, gemv_layout=True)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:

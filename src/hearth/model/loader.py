@@ -126,7 +126,9 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False)
     slices (`lazy_loading`) get a `LazyTensor`, so only this rank's rows / columns are read."""
     params = dict(model.named_parameters(remove_duplicate=False))
     elsewhere = tuple(
-        f"{name}." for name, module in model.named_modules(remove_duplicate=False) if isinstance(module, MissingLayer)
+        f"{name}."
+        for name, module in model.named_modules(remove_duplicate=False)
+        if isinstance(module, MissingLayer)
     )
     loaded: set[tuple[str, ShardId | None]] = set()
     # FP8 KV-cache scales are not parameters: set aside for the KV pool (`hearth.engine.fp8_kv_scales`).

@@ -108,4 +108,3 @@ class TritonBackend(AttentionBackend):
             q, k_cache, v_cache, table, metadata.query_start_loc, metadata.seq_lens, metadata.max_query_len,
             scale, self.page_size, sliding_window=window, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
-
