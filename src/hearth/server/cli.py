@@ -192,11 +192,6 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="accepted; Hearth runs only its own architectures' code, never a checkpoint's",
     )
     group.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="accepted; Hearth captures no CUDA graphs, it is always eager",
-    )
-    group.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
