@@ -301,7 +301,8 @@ def build_before_ready() -> None:
         _build_thread.join(PROGRESS_INTERVAL_S)
         if _build_thread.is_alive():
             logger.warning("still building the CPU kernels (%.0f s so far)", time.monotonic() - started)
-    logger.warning("CPU kernels built in %.0f s", time.monotonic() - started)
+    if _kernel is not None:  # else the failure was logged, and the torch paths serve
+        logger.warning("CPU kernels built in %.0f s", time.monotonic() - started)
 
 
 def paged_decode_attention_kernel(wait: bool = False) -> Callable[..., object] | None:
