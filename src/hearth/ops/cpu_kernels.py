@@ -293,7 +293,7 @@ def build_before_ready() -> None:
     if not _build_thread.is_alive():
         return
     logger.warning(
-        "building the CPU kernels for this CPU and source version (once per machine and version; 1-10 min); "
+        "preparing the CPU kernels (a build, once per CPU and source version, takes 1-10 min); "
         "the server is ready after it (`hearth build-kernels` does it ahead of time, HEARTH_CPU_KERNELS=0 "
         "skips the kernels)"
     )
