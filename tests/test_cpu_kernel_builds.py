@@ -132,3 +132,35 @@ def test_two_checkouts_compile_the_same_commands(tmp_path: Path, monkeypatch: py
     assert [path.read_bytes() for path in staged[0]] == [
         (here / path.name).read_bytes() for path in staged[0]
     ]
+
+
+def test_a_live_builders_lock_is_kept_however_old_and_a_dead_ones_is_cleared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build on a loaded machine took longer than the old 300 s staleness rule, and another start
+    deleted its lock mid-build (the build then failed at release)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = Path(_get_build_directory("hearth_lock_test", verbose=False))
+    lock, owner = directory / "lock", directory / cpu_kernels.BUILDER_PID_FILE
+    old = time.time() - 3600
+
+    def locked(pid: int | None) -> bool:
+        lock.touch()
+        os.utime(lock, (old, old))
+        if pid is None:
+            owner.unlink(missing_ok=True)
+        else:
+            owner.write_text(str(pid))
+        cpu_kernels._clear_stale_lock("hearth_lock_test")
+        return lock.exists()
+
+    assert locked(os.getpid())  # an hour-old lock of a live builder stays
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    assert not locked(dead.pid)  # its builder is gone: cleared
+    assert not locked(None)  # no owner recorded and old: cleared
+    lock.touch()  # no owner recorded, but fresh: kept
+    cpu_kernels._clear_stale_lock("hearth_lock_test")
+    assert lock.exists()

@@ -58,7 +58,8 @@ _CFLAGS = [
     "-fno-trapping-math",
 ]
 
-_STALE_LOCK_S = 300  # a build takes ~1 min (3 under load); a lock this old belongs to a dead builder
+BUILDER_PID_FILE = "hearth-builder.pid"
+_STALE_LOCK_S = 300  # a lock this old with no builder pid file is taken as left by a dead builder
 
 _lock = threading.Lock()
 _kernel: Callable[..., object] | None = None  # paged decode attention
@@ -108,15 +109,33 @@ def enabled() -> bool:
 
 
 def _clear_stale_lock(name: str) -> None:
-    # torch's builder waits forever on a lock file left by a process killed mid-build.
+    """torch's builder waits forever on a lock file left by a builder killed mid-build (SIGKILL: on
+    SIGTERM it releases it). A lock is stale when the builder that wrote `BUILDER_PID_FILE` is gone; a
+    lock with no such file (an older Hearth, or torch used directly) only after `_STALE_LOCK_S`. A live
+    builder's lock is never taken, however long a loaded machine makes its build."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    directory = Path(_get_build_directory(name, verbose=False))
+    lock = directory / "lock"
     try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink()
+        age_s = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
-        pass
+        return
+    try:
+        owner: int | None = int((directory / BUILDER_PID_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        owner = None
+    if owner is not None:
+        try:
+            os.kill(owner, 0)
+            return  # still building
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            return
+    elif age_s <= _STALE_LOCK_S:
+        return
+    lock.unlink(missing_ok=True)
 
 
 def _staged_sources(name: str) -> list[Path]:
@@ -156,6 +175,7 @@ def _compile(name: str, sources: list[Path]) -> None:
             start_new_session=True,  # its own group: stopped as one (the builder and its compilers)
             preexec_fn=_die_with_parent,
         )
+        (log.parent / BUILDER_PID_FILE).write_text(str(process.pid))  # who holds torch's lock, if anyone
         with _lock:
             _builders.add(process)
         try:
@@ -273,7 +293,7 @@ def build_before_ready() -> None:
     if not _build_thread.is_alive():
         return
     logger.warning(
-        "building the CPU kernels for this CPU and source version (once per machine and version; 1-10 min); "
+        "preparing the CPU kernels (a build, once per CPU and source version, takes 1-10 min); "
         "the server is ready after it (`hearth build-kernels` does it ahead of time, HEARTH_CPU_KERNELS=0 "
         "skips the kernels)"
     )
@@ -281,7 +301,8 @@ def build_before_ready() -> None:
         _build_thread.join(PROGRESS_INTERVAL_S)
         if _build_thread.is_alive():
             logger.warning("still building the CPU kernels (%.0f s so far)", time.monotonic() - started)
-    logger.warning("CPU kernels built in %.0f s", time.monotonic() - started)
+    if _kernel is not None:  # else the failure was logged, and the torch paths serve
+        logger.warning("CPU kernels built in %.0f s", time.monotonic() - started)
 
 
 def paged_decode_attention_kernel(wait: bool = False) -> Callable[..., object] | None:
