@@ -21,11 +21,11 @@ from hearth.server.process import ServerProcess
 COMMIT = "c" * 40
 
 # A vLLM recipe's serve line, as published for Qwen3 (the words after `vllm serve`), unchanged.
-# TODO(lead, after issue 26 merges): append `--enable-auto-tool-choice --reasoning-parser qwen3`.
 VLLM_RECIPE = (
     "Qwen/Qwen3-0.6B --served-model-name qwen3 --max-model-len 32k --gpu-memory-utilization 0.9 "
     "--enable-prefix-caching --block-size 16 --max-num-seqs 8 --trust-remote-code --disable-log-requests "
-    "--uvicorn-log-level warning --tensor-parallel-size 1 --enforce-eager --tool-call-parser hermes "
+    "--uvicorn-log-level warning --tensor-parallel-size 1 --enforce-eager --enable-auto-tool-choice "
+    "--tool-call-parser hermes --reasoning-parser qwen3 "
     '--speculative-config \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\''
 )
 
