@@ -22,9 +22,12 @@ def both(model_dir, prompts, params, **options):
     return serial, overlapped.generate(prompts, params), overlapped
 
 
-def test_overlap_is_off_on_a_cpu_unless_asked(tiny_llama) -> None:
-    assert not LLM(str(tiny_llama)).engine.runner.overlaps
-    assert LLM(str(tiny_llama), async_scheduling=True).engine.runner.overlaps
+def test_overlap_is_on_with_a_gpu_and_off_on_a_cpu_unless_asked(tiny_llama) -> None:
+    default = LLM(str(tiny_llama)).engine
+    assert default.runner.overlaps == (default.worker.device.type != "cpu")
+    assert not LLM(str(tiny_llama), device="cpu").engine.runner.overlaps
+    assert LLM(str(tiny_llama), device="cpu", async_scheduling=True).engine.runner.overlaps
+    assert not LLM(str(tiny_llama), async_scheduling=False).engine.runner.overlaps
 
 
 def test_overlapped_steps_give_the_serial_loops_tokens_and_logprobs(tiny_llama) -> None:
