@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "trace": args.trace,
         "model": str(args.model),
         "batch_size": args.batch_size,
-        "num_prompts": len(prompts),
+        "num_prompts": len(prompts) or args.num_prompts,  # traces: conversations
         "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "fixed_k": args.fixed_k,
         "configs": {},

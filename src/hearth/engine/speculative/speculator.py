@@ -116,9 +116,8 @@ class Speculator:
     _acceptance: dict[str, _Acceptance] = field(default_factory=dict)
     # This step's start, decode rows, the draft cap used, and whether its cost is a steady-state sample.
     _step: tuple[float, int, int, bool] | None = None
-    _live: dict[str, Request] = field(
-        default_factory=dict
-    )  # requests proposed for or running, until they end
+    # Running requests by id until they end: what `request_done` hands a proposer that learns from answers.
+    _live: dict[str, Request] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.stats = SpecStats(self.proposer.name)
