@@ -218,3 +218,13 @@ def test_smollm2_greedy_answer_starts_as_transformers_does(smollm2):
     ours = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
     hf = hf_gguf_model(smollm2)
     assert ours == hf_gguf_greedy(hf, ids, 8)
+
+
+def test_serve_accepts_a_gguf_file_and_refuses_other_files(tiny_src, tmp_path):
+    from hearth.server.cli import resolve_model_dir
+
+    path = write_gguf(tiny_src, tmp_path / "m.gguf")
+    assert resolve_model_dir(str(path)) == path
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(SystemExit, match="no such directory or GGUF file"):
+        resolve_model_dir(str(tmp_path / "notes.txt"))
