@@ -1,4 +1,46 @@
-"""The proposer interface: given running requests and how many tokens each may get, guess them."""
+"""The proposer interface, in two halves: the scheduler half decides, the worker half computes.
+
+Speculative decoding is propose -> verify. Where the guesses come from decides where the code runs:
+
+- **Scheduler half** (`Proposer`, in the engine core, rank 0; plain Python, no tensors): for each running
+  request it decides *how many* tokens to draft (the `Speculator` sizes K from recent acceptance) and, for a
+  proposer that needs only token ids (n-gram, suffix decoding), *which* tokens: `propose(batch)`. It sees
+  requests, never a model or a KV pool.
+- **Worker half** (`ProposerWorker`, one per rank, built by the rank's `Worker`): runs whatever needs tensors
+  (a draft model, an EAGLE-3 or MTP head) on *its own rank's shard*, next to the target's shard, reading the
+  target's hidden states from its own rank (never from another process). Every rank runs the same worker
+  half in lock-step (the collectives of a TP draft model require it); the sampling rank's drafts are the
+  ones that count.
+
+The protocol (`hearth.contracts.step`):
+
+1. `StepInput.rows` carry, per row, the draft tokens to verify this step (`draft_token_ids`; from the
+   scheduler half, or the drafts the worker half returned last step) and `num_draft_tokens`: how many tokens
+   the scheduler asks the worker half to draft *after* this step for the request (0: none).
+2. The worker verifies (greedy: the agreeing run; sampled: rejection sampling) and then calls its worker
+   half with the rows that asked for drafts; it returns them in `StepOutput.draft_token_ids` (per sampled
+   row, in `StepInput` sampling order; `[]` where none were asked or none could be made).
+3. The engine core puts them in `request.draft_token_ids` for the next step (cut to what still fits), where
+   they are verified exactly like a scheduler-half proposal. A proposal is only a guess: a wrong or missing
+   draft costs time, never a token (token-exactness does not depend on the proposer).
+
+Contract of the scheduler half (`Proposer`):
+- `propose(batch)` returns, per request in order, at most `num_tokens` token ids (may be fewer or none).
+  Proposals are deterministic given the request's tokens (a proposal distribution that is one-hot), which is
+  what the rejection sampler assumes. A proposer with a worker half returns `[]` here and sets
+  `has_worker_half = True`; the engine then asks the worker for `num_tokens` instead.
+- Between calls the target may keep any prefix of the previous proposal: a proposer holding state per
+  request (a draft model's KV) reconciles with `token_ids` itself.
+- `request_finished(request_id)` drops that state; it is called once for every request that ends.
+
+Contract of the worker half (`ProposerWorker`):
+- `after_target_forward(batch, hidden)`: called by the worker after every target forward with the step's
+  flattened batch and the target's auxiliary hidden states for its tokens (None when it asked for none);
+  keeps what it needs per request (EAGLE-3: the states of the positions the target kept).
+- `propose(requests) -> list[list[int]]`: for `(request_id, token_ids, num_tokens)` of the rows that asked
+  for drafts, at most `num_tokens` ids each; deterministic given its inputs, identical on every rank.
+- `request_finished(request_id)`: drop the request's state (the worker calls it for each finished id).
+"""
 
 from __future__ import annotations
 
@@ -30,6 +72,9 @@ class Proposer(ABC):
     """
 
     name: str = "?"
+    # True when the drafts come from a `ProposerWorker` on every rank (draft model, EAGLE-3, MTP): the engine
+    # asks the worker for `num_tokens` per request instead of calling `propose` for tokens.
+    has_worker_half: bool = False
 
     @abstractmethod
     def propose(self, batch: list[ProposalRequest]) -> list[list[int]]: ...
@@ -38,4 +83,19 @@ class Proposer(ABC):
         """The target ran a step over `batch` (`ScheduledRequest`s, outputs already applied to the requests)."""
 
     def request_finished(self, request_id: str) -> None:  # noqa: B027 (stateless proposers keep nothing)
+        """Drop whatever is kept for the request."""
+
+
+class ProposerWorker(ABC):
+    """The worker half of a proposer: models on this rank's shard (see the module docstring's contract)."""
+
+    name: str = "?"
+
+    def after_target_forward(self, batch: Any, hidden: Any) -> None:  # noqa: B027 (optional)
+        """The target ran `batch` (a flattened step) on this rank; `hidden`: its aux hidden states or None."""
+
+    @abstractmethod
+    def propose(self, requests: list[ProposalRequest]) -> list[list[int]]: ...
+
+    def request_finished(self, request_id: str) -> None:  # noqa: B027 (stateless halves keep nothing)
         """Drop whatever is kept for the request."""
