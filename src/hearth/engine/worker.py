@@ -1,8 +1,9 @@
 """The worker: one rank's device, model, KV pool, attention backend and sampler. `StepInput` in, tokens out.
 
 The engine (scheduler, KV bookkeeping, grammar state) never touches a tensor; the worker never sees a
-request object. Per-request state the worker keeps (seeded random generators) is dropped when a step
-names the request in `finished_request_ids`.
+request object. It keeps a persistent batch (`hearth.engine.persistent_batch`: per request its tokens,
+sampler parameters and page table) that each step's deltas update, and per-request seeded random
+generators; all of a request's state is dropped when a step names its slot in `finished_slots`.
 
 Rows with draft tokens: a row with k drafts has 1 + k logits positions, each processed with the row's
 parameters (penalties and min_tokens counting the drafts before it). A greedy row keeps the longest run
@@ -17,20 +18,19 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
-import msgspec
 import torch
 
+from hearth.contracts.step import PageTagMismatch, StepInput, StepOutput, TokenLogprob
 from hearth.engine.config import EngineConfig
+from hearth.engine.forward_batch import ForwardBatch, StepSamplingRow
 from hearth.engine.fp8_kv_scales import init_fp8_kv_scales
-from hearth.engine.kv_integrity import without_rows
-from hearth.engine.outputs import TokenLogprob
+from hearth.engine.persistent_batch import FlatBatch, PersistentBatch
 from hearth.engine.ranks.microbatch import forward_micro_batches, resolve_micro_batches
 from hearth.engine.ranks.pipeline import stage_layers
 from hearth.engine.sampler import Sampler, SamplingRow, make_generator
 from hearth.engine.speculative.rejection import rejection_sample
-from hearth.engine.step_input import StepInput, StepSamplingRow
 from hearth.engine.structured_output import apply_bitmask
-from hearth.kv.integrity import PageTagMismatch, make_page_tag_check
+from hearth.kv.integrity import make_page_tag_check
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
 from hearth.model.config import ModelConfig
 from hearth.model.loader import load_model
@@ -43,15 +43,7 @@ from hearth.parallel.topology import rank_kv_heads
 logger = logging.getLogger("hearth.worker")
 
 
-class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Per sampled row of the step, in `StepInput.sampling` order: the tokens it keeps (one for a row
-    without drafts, 1..1+k for a row with k), and their logprobs when any row of the step asked for them
-    (an empty list for rows that did not)."""
-
-    sampled_token_ids: list[list[int]]
-    logprobs: list[list[TokenLogprob]] | None = None
-    # Page table entries that failed the integrity check; their rows did not run (an empty token list).
-    kv_mismatches: list[PageTagMismatch] = []
+__all__ = ["StepOutput", "Worker", "kv_layout_for", "resolve_device"]
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -141,6 +133,7 @@ class Worker:
             )
             logger.info("FP8 KV cache: per (layer, KV head) scales from %s", source)
         self.page_tag_check = make_page_tag_check(config.kv_integrity)
+        self.batch = PersistentBatch(layout.page_size, check_page_tags=config.kv_integrity)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
         max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
         backend_cls = select_backend(self.device)
@@ -156,7 +149,7 @@ class Worker:
         self.sampler = Sampler(sample_vocab_size, set(eos_token_ids))
         self._generators: dict[str, torch.Generator] = {}
         # Called with each step after the model's forward (an EAGLE-3 proposer takes the step's aux hidden states).
-        self.after_forward: Callable[[StepInput], None] | None = None
+        self.after_forward: Callable[[ForwardBatch], None] | None = None
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             # Compiled CPU kernels, loaded (or built, the first time) in the background so they never delay
@@ -172,21 +165,22 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        for request_id in step.finished_request_ids:
+        for request_id in self.batch.apply(step):
             self._generators.pop(request_id, None)
         if step.tag_page_ids:
             self.kv_pool.set_page_tags(step.tag_page_ids, step.tag_values)
-        if not step.token_ids:
+        if not step.slots:
             return StepOutput([])
+        flat = self.batch.flatten(step)
         # Before anything reads or writes the cache: a row whose pages are no longer its own must not run.
         mismatches = self.page_tag_check.check(
-            self.kv_pool.page_tags, step.page_table, step.page_table_width, step.page_tags
+            self.kv_pool.page_tags, flat.page_table, flat.page_table_width, flat.page_tags
         )
         if mismatches:
-            return self._run_without(step, mismatches)
-        return self._run(step)
+            return self._run_without(step, len(flat.sampling), mismatches)
+        return self._run(flat)
 
-    def _run(self, step: StepInput) -> StepOutput:
+    def _run(self, step: ForwardBatch) -> StepOutput:
         logits = self.forward(step)
         if logits is None or not step.sampling or not self.is_sampling_rank:
             return StepOutput([])  # another rank samples (see hearth.engine.ranks.executor)
@@ -195,30 +189,34 @@ class Worker:
             apply_bitmask(logits, step.bitmask_rows, words.view(len(step.bitmask_rows), -1))
         return self._sample(logits, step.sampling)
 
-    def _run_without(self, step: StepInput, mismatches: list[PageTagMismatch]) -> StepOutput:
-        """The step without the failing rows; their sampling rows get no tokens."""
-        kept, kept_sampling = without_rows(step, {mismatch.row for mismatch in mismatches})
+    def _run_without(
+        self, step: StepInput, num_sampled: int, mismatches: list[PageTagMismatch]
+    ) -> StepOutput:
+        """The step with the failing rows masked out; their sampling rows get no tokens."""
+        kept: FlatBatch = self.batch.flatten(step, frozenset(mismatch.row for mismatch in mismatches))
         output = self._run(kept) if kept.token_ids else StepOutput([])
-        if len(output.sampled_token_ids) != len(kept_sampling):  # a rank that does not sample
+        if len(output.sampled_token_ids) != len(kept.kept_sampling):  # a rank that does not sample
             return StepOutput([], None, mismatches)
-        sampled: list[list[int]] = [[] for _ in step.sampling]
-        logprobs: list[list[TokenLogprob]] | None = [[] for _ in step.sampling] if output.logprobs else None
-        for index, tokens in zip(kept_sampling, output.sampled_token_ids, strict=True):
+        sampled: list[list[int]] = [[] for _ in range(num_sampled)]
+        logprobs: list[list[TokenLogprob]] | None = (
+            [[] for _ in range(num_sampled)] if output.logprobs else None
+        )
+        for index, tokens in zip(kept.kept_sampling, output.sampled_token_ids, strict=True):
             sampled[index] = tokens
         if logprobs is not None and output.logprobs is not None:
-            for index, row_logprobs in zip(kept_sampling, output.logprobs, strict=True):
+            for index, row_logprobs in zip(kept.kept_sampling, output.logprobs, strict=True):
                 logprobs[index] = row_logprobs
         return StepOutput(sampled, logprobs, mismatches)
 
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> torch.Tensor | None:
+    def forward(self, step: ForwardBatch) -> torch.Tensor | None:
         """float32 logits `[len(step.logits_indices), vocab]` (the KV of the step's tokens is written);
         None on a pipeline stage other than the last."""
         if parallel_state().pp_size > 1:
             return forward_micro_batches(self._forward_one, step, self.micro_batches)
         return self._forward_one(step)
 
-    def _forward_one(self, step: StepInput) -> torch.Tensor | None:
+    def _forward_one(self, step: ForwardBatch) -> torch.Tensor | None:
         num_tokens = len(step.token_ids)
         ids = torch.tensor(step.token_ids + step.positions + step.logits_indices, dtype=torch.long)
         if self.device.type == "cuda":  # pinned, so the copy is asynchronous

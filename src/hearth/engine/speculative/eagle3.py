@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from hearth.engine.config import EngineConfig
+from hearth.engine.forward_batch import ForwardBatch
 from hearth.engine.request import RequestStatus
 from hearth.engine.scheduler import ScheduledRequest
 from hearth.engine.speculative.paged_rows import decode_rows_first, proposer_step_input
 from hearth.engine.speculative.proposer import ProposalRequest, Proposer
 from hearth.engine.speculative.registry import register_proposer
-from hearth.engine.step_input import StepInput
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
 from hearth.model.config import ModelConfig, ModelLoadError
@@ -117,12 +117,12 @@ class Eagle3Proposer(Proposer):
         self.vocab_size = vocab_size
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=False)
         self._sequences: dict[str, HeadSequence] = {}
-        self._last_step: tuple[StepInput, torch.Tensor] | None = None
+        self._last_step: tuple[ForwardBatch, torch.Tensor] | None = None
         self._aux_width = 3 * head.config.target_hidden_size
 
     # ---- the target's side ---------------------------------------------------------------------------
 
-    def on_target_forward(self, step: StepInput) -> None:
+    def on_target_forward(self, step: ForwardBatch) -> None:
         aux = self.target_model.aux_hidden
         self._last_step = (step, aux) if aux is not None else None
 
