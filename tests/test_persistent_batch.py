@@ -38,11 +38,14 @@ def make_request(
 
 
 def flatten(
-    rows: list[Row], check_page_tags: bool = False, skip_rows: frozenset[int] = frozenset()
+    rows: list[Row],
+    check_page_tags: bool = False,
+    skip_rows: frozenset[int] = frozenset(),
+    page_size: int = PAGE_SIZE,
 ) -> FlatBatch:
     """One step of `rows` as a fresh worker sees it: every request new."""
-    step = StepInputBuilder(PAGE_SIZE, check_page_tags).build(rows)
-    batch = PersistentBatch(PAGE_SIZE, check_page_tags)
+    step = StepInputBuilder(page_size, check_page_tags).build(rows)
+    batch = PersistentBatch(page_size, check_page_tags)
     batch.apply(step)
     return batch.flatten(step, skip_rows)
 

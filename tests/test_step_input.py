@@ -56,7 +56,7 @@ def test_a_request_is_sent_once_then_only_its_new_token():
     assert second.slots == first.slots and second.starts == [201, 201]
 
 
-def test_only_new_pages_are_sent_and_a_cut_table_is_sent_again():
+def test_only_new_pages_are_sent_and_a_cut_table_is_cut():
     rows = decode_batch(1, prompt_tokens=15)  # 16 tokens: one full page
     request = rows[0].request
     builder = StepInputBuilder(16)
@@ -68,7 +68,7 @@ def test_only_new_pages_are_sent_and_a_cut_table_is_sent_again():
     assert [(u.num_kept_pages, u.page_ids) for u in update] == [(1, [40])]
     del request.page_ids[1:], request.page_generations[1:]  # a rejected draft's page rolled back
     update = builder.build(rows).page_updates
-    assert [(u.num_kept_pages, u.page_ids) for u in update] == [(0, [0])]
+    assert [(u.num_kept_pages, u.page_ids) for u in update] == [(1, [])]
 
 
 def test_a_preempted_request_gets_its_new_table_but_keeps_its_slot_and_tokens():
@@ -171,3 +171,14 @@ def test_building_a_decode_batch_of_64_is_cheap():
         builder.build(rows)
     per_step_s = (time.perf_counter() - start) / 20
     assert per_step_s < 2e-3  # ~0.05 ms on a quiet machine; generous for a loaded one
+
+
+def test_an_entry_changed_in_place_reaches_the_workers():
+    """The workers' integrity check must see the table the engine core believes in, even a wrong one."""
+    rows = decode_batch(1, prompt_tokens=40)
+    request = rows[0].request
+    builder = StepInputBuilder(16, check_page_tags=True)
+    builder.build(rows)
+    request.page_ids[0], request.page_ids[2] = request.page_ids[2], request.page_ids[0]
+    [update] = builder.build(rows).page_updates
+    assert (update.num_kept_pages, update.page_ids) == (0, request.page_ids)

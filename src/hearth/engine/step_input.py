@@ -14,7 +14,7 @@ Row contract (the scheduler's): a `ScheduledRequest(request, num_new_tokens, dra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,9 +32,8 @@ class _Sent:
 
     slot: int
     num_tokens: int
-    num_pages: int = 0
-    last_page: int = -1  # page id and tag of the last page sent: an allocation is unique by the pair
-    last_tag: int = -1
+    pages: list[int] = field(default_factory=list)  # the workers' copy of its page table, and tags
+    tags: list[int] = field(default_factory=list)
 
 
 class StepInputBuilder:
@@ -121,12 +120,10 @@ class StepInputBuilder:
                 sent.num_tokens = len(tokens)
             else:
                 num_appended.append(0)
-            pages = request.page_ids
-            num_pages = len(pages)
-            if num_pages != sent.num_pages or (num_pages and pages[-1] != sent.last_page):
-                page_updates.append(self._page_update(sent, pages, request.page_generations))
-            elif num_pages and request.page_generations[-1] != sent.last_tag:
-                page_updates.append(self._page_update(sent, pages, request.page_generations))
+            # Compared whole (a C loop over a few ints a row): any change reaches the workers, even one
+            # that is a bug here, so their integrity check sees the table this core believes in.
+            if request.page_ids != sent.pages or request.page_generations != sent.tags:
+                page_updates.append(self._page_update(sent, request.page_ids, request.page_generations))
             slots.append(sent.slot)
             starts.append(request.num_computed_tokens)
             num_new_tokens.append(item.num_new_tokens)
@@ -167,19 +164,14 @@ class StepInputBuilder:
 
     @staticmethod
     def _page_update(sent: _Sent, pages: list[int], tags: list[int]) -> PageUpdate:
-        """What turns the workers' copy of a request's page table into `pages`: pages are only appended or
-        cut from the end, or all released (preemption); an allocation is unique by (page id, tag), so the
-        copy's first `keep` pages are still right when the page at `keep - 1` is the same allocation."""
-        keep = min(sent.num_pages, len(pages))
-        if keep and keep == sent.num_pages:
-            valid = pages[keep - 1] == sent.last_page and tags[keep - 1] == sent.last_tag
-        else:
-            valid = False  # cut back: the copy's page at keep - 1 is not remembered; resend the table
-        if not valid:
-            keep = 0
-        sent.num_pages = len(pages)
-        sent.last_page = pages[-1] if pages else -1
-        sent.last_tag = tags[-1] if tags else -1
+        """What turns the workers' copy of a request's page table into `pages`: the common prefix is kept."""
+        old_pages, old_tags = sent.pages, sent.tags
+        keep = 0
+        limit = min(len(old_pages), len(pages))
+        while keep < limit and old_pages[keep] == pages[keep] and old_tags[keep] == tags[keep]:
+            keep += 1
+        sent.pages = list(pages)
+        sent.tags = list(tags)
         return PageUpdate(sent.slot, keep, pages[keep:], tags[keep:])
 
     @staticmethod
