@@ -7,7 +7,8 @@ Per steady decode step (every request past its prompt), medians over the steps:
 - `step_ms`: `Engine.step()` on rank 0, wall;
 - `forward_ms`: the model's forward on rank 0 (its shard's compute and the collectives with the other ranks);
 - `host_ms` = step - forward: rank 0's Python time around the model (schedule, build and send the step, the
-  worker's preparation, sampling, outputs) -- the goal's "Python time per decode step";
+  worker's preparation, sampling, outputs) -- the goal's "Python time per decode step"; `host_cpu_ms`: the
+  same in the main thread's CPU time (steadier on a shared machine: time spent descheduled is left out);
 - `build_ms`: building the step message; `send_ms`: encoding and publishing it (executor minus its worker);
 - `step_bytes`: the encoded step message rank 0 publishes (each other rank receives these bytes).
 """
@@ -24,13 +25,15 @@ from collections.abc import Callable
 from typing import Any
 
 
-def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
+def timed(record: list[float], fn: Callable[..., Any], cpu: list[float] | None = None) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
             record.append(time.perf_counter() - start)
+            if cpu is not None:
+                cpu.append(time.thread_time() - start_cpu)
 
     return wrapper
 
@@ -58,6 +61,8 @@ def main() -> None:
     worker = getattr(executor, "worker", executor)  # rank 0's own Worker
     steps: list[float] = []
     forwards: list[float] = []
+    forwards_cpu: list[float] = []
+    steps_cpu: list[float] = []
     builds: list[float] = []
     executes: list[float] = []
     inner_executes: list[float] = []
@@ -65,7 +70,7 @@ def main() -> None:
     steady = [False]
 
     model = worker.model
-    model.forward = timed(forwards, model.forward)
+    model.forward = timed(forwards, model.forward, forwards_cpu)
     builder = engine.step_inputs
     builder.build = timed(builds, builder.build)
     if executor is not worker:
@@ -92,9 +97,10 @@ def main() -> None:
         if steady[0] and profiler is not None:
             profiler.enable()
         before = (len(steps), len(forwards), len(builds), len(executes), len(inner_executes), len(sent_bytes))
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         out = step()
         steps.append(time.perf_counter() - start)
+        steps_cpu.append(time.thread_time() - start_cpu)
         if profiler is not None:
             profiler.disable()
         if steady[0] and len(forwards) == before[1] + 1:
@@ -119,6 +125,7 @@ def main() -> None:
         return round(statistics.median(picked) * 1e3, 4) if picked else None
 
     host = [steps[m[0]] - forwards[m[1]] for m in marks]
+    host_cpu = [steps_cpu[m[0]] - forwards_cpu[m[1]] for m in marks]
     send = [executes[m[3]] - inner_executes[m[4]] for m in marks if m[3] < len(executes)]
     report = {
         "model": args.model,
@@ -128,13 +135,14 @@ def main() -> None:
         "step_ms": median_ms(steps, 0),
         "forward_ms": median_ms(forwards, 1),
         "host_ms": round(statistics.median(host) * 1e3, 4),
+        "host_cpu_ms": round(statistics.median(host_cpu) * 1e3, 4),
         "build_ms": median_ms(builds, 2),
         "send_ms": round(statistics.median(send) * 1e3, 4) if send else None,
         "step_bytes": statistics.median([sent_bytes[m[5]] for m in marks]) if sent_bytes else None,
     }
     print(json.dumps(report), flush=True)
     if profiler is not None:
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats("hearth|zmq|msgspec", 45)
     shutdown = getattr(executor, "shutdown", None)
     if shutdown is not None:
         shutdown()

@@ -75,7 +75,9 @@ def make_step(rows: list[tuple[int, int]], page_tables: list[list[int]]) -> Forw
     )
 
 
-def reference_attention(q, pool: KVPool, step: ForwardBatch, scale: float, window: int | None) -> torch.Tensor:
+def reference_attention(
+    q, pool: KVPool, step: ForwardBatch, scale: float, window: int | None
+) -> torch.Tensor:
     """Per query token: softmax over its row's keys at positions (p - window, p], read slot by slot."""
     k_pool, v_pool = (t.double() for t in pool.layer(0))
     width = step.page_table_width
