@@ -216,9 +216,9 @@ def test_proposers_with_tensor_and_pipeline_parallelism_give_the_tokens_of_one_r
 
     repeat = [5, 17, 33, 5, 17, 33, 5, 17, 33, 5, 17]  # n-gram finds its continuation in the prompt
     prompts = [[1, 5, 9, 33, 100, 7], list(range(40, 90)), repeat]
-    spec = {"num_speculative_tokens": 3, "speculative_max_batch_size": 8}
+    spec = {"num_speculative_tokens": 3, "speculative_max_batch_size": 8, "dtype": "float32"}
     layouts = [
-        {},
+        {"dtype": "float32"},
         {
             "tensor_parallel_size": 2,
             "speculative_method": "draft",

@@ -118,6 +118,13 @@ class Worker:
             quantization=quantization,
             quant_config=quant_config,
         )
+        if config.speculative_method == "eagle3" and config.speculative_model is not None:
+            # Every rank runs the layers the same way (the last layer over every row when its output is
+            # captured), so the collectives of all ranks agree; the head itself runs on rank 0.
+            from hearth.model.eagle3 import Eagle3Config
+
+            head = Eagle3Config.from_dir(config.speculative_model, model_config.num_layers)
+            self.model.aux_hidden_layers = head.aux_layer_ids
         layout = dataclasses.replace(layout, num_layers=len(stage))
         self.kv_pool = KVPool(layout, num_pages, self.device)
         if self.kv_pool.quantized:
