@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--penalties", action="store_true", help="every request with a repetition penalty")
     parser.add_argument("--profile", action="store_true", help="cProfile the steady steps (top functions)")
+    parser.add_argument("--parts", action="store_true", help="CPU ms per step of each part of rank 0's step")
     args = parser.parse_args()
 
     from hearth.engine.llm import LLM
@@ -84,6 +85,22 @@ def main() -> None:
             publish(data)
 
         channel.publish = counting_publish
+    parts: dict[str, list[float]] = {}
+    if args.parts:
+        targets = {
+            "schedule": (engine.scheduler, "schedule"),
+            "build": (engine.step_inputs, "build"),
+            "process_outputs": (engine, "_process_outputs"),
+            "sample": (worker, "_sample"),
+            "prepare": (worker.attention, "prepare"),
+            "tag_check": (worker.page_tag_check, "check"),
+        }
+        if hasattr(worker, "batch"):
+            targets["apply"] = (worker.batch, "apply")
+            targets["flatten"] = (worker.batch, "flatten")
+        for name, (owner, attr) in targets.items():
+            parts[name] = []
+            setattr(owner, attr, timed([], getattr(owner, attr), parts[name]))
     step = engine.step
     marks: list[tuple[int, int, int, int, int, int]] = []  # list lengths before each steady step
 
@@ -140,6 +157,12 @@ def main() -> None:
         "send_ms": round(statistics.median(send) * 1e3, 4) if send else None,
         "step_bytes": statistics.median([sent_bytes[m[5]] for m in marks]) if sent_bytes else None,
     }
+    if args.parts:
+        num_calls = len(steps)
+        report["parts_cpu_ms"] = {
+            name: round(statistics.median(values[-len(marks) :]) * 1e3, 4) for name, values in parts.items() if values
+        }
+        del num_calls
     print(json.dumps(report), flush=True)
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats("hearth|zmq|msgspec", 45)

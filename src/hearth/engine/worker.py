@@ -241,6 +241,18 @@ class Worker:
         """Greedy rows and rows without drafts go through the sampler in one batch (a greedy row keeps the run
         of drafts that agree with its argmax: exact); sampled rows with drafts are verified by rejection
         sampling, which keeps the target's distribution (`hearth.engine.speculative.rejection`)."""
+        if all(
+            not row.draft_token_ids
+            and row.params.logprobs is None
+            and row.params.greedy
+            and not row.params.needs_penalties
+            and row.num_output_tokens >= row.params.min_tokens
+            for row in sampling
+        ):  # the common decode step: the sampler's own shortcut, without building its rows
+            scores = logits[:, : self.sampler.vocab_size]
+            # NumPy's argmax is ~10x torch's on the CPU (one thread) and picks the same (first) index on ties.
+            best = scores.numpy().argmax(axis=-1) if scores.device.type == "cpu" else scores.argmax(dim=-1)
+            return StepOutput([[token] for token in best.tolist()])
         rows: list[SamplingRow] = []  # the batched sampler's rows, one per logits position it samples
         plain_positions: list[int] = []
         verified: dict[int, tuple[list[int], list[TokenLogprob] | None]] = {}
