@@ -160,7 +160,9 @@ def main() -> None:
     if args.parts:
         num_calls = len(steps)
         report["parts_cpu_ms"] = {
-            name: round(statistics.median(values[-len(marks) :]) * 1e3, 4) for name, values in parts.items() if values
+            name: round(statistics.median(values[-len(marks) :]) * 1e3, 4)
+            for name, values in parts.items()
+            if values
         }
         del num_calls
     print(json.dumps(report), flush=True)
