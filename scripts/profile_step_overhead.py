@@ -94,6 +94,9 @@ def main() -> None:
             "sample": (worker, "_sample"),
             "prepare": (worker.attention, "prepare"),
             "tag_check": (worker.page_tag_check, "check"),
+            "engine_step": (engine, "step"),
+            "worker_execute": (worker, "execute"),
+            "forward_one": (worker, "_forward_one"),
         }
         if hasattr(worker, "batch"):
             targets["apply"] = (worker.batch, "apply")

@@ -14,15 +14,22 @@ Speculative decoding is propose -> verify. Where the guesses come from decides w
 
 The protocol (`hearth.contracts.step`):
 
-1. `StepInput.rows` carry, per row, the draft tokens to verify this step (`draft_token_ids`; from the
-   scheduler half, or the drafts the worker half returned last step) and `num_draft_tokens`: how many tokens
-   the scheduler asks the worker half to draft *after* this step for the request (0: none).
-2. The worker verifies (greedy: the agreeing run; sampled: rejection sampling) and then calls its worker
-   half with the rows that asked for drafts; it returns them in `StepOutput.draft_token_ids` (per sampled
-   row, in `StepInput` sampling order; `[]` where none were asked or none could be made).
+1. A step's rows carry the drafts to verify (`StepInput.num_draft_tokens` per row, flattened in
+   `draft_token_ids`), wherever they came from.
+2. A proposer with a worker half also needs, per row, how many tokens to draft *after* this step: that is
+   one more per-row list in `StepInput` (`num_propose_tokens`, to be added with the first worker half; 0 or
+   absent: none). The worker verifies (greedy: the agreeing run; sampled: rejection sampling), then calls
+   its worker half with the rows that asked, and returns the drafts in `StepOutput.draft_token_ids` (per
+   sampled row, in row order; `[]` where none were asked or none could be made).
 3. The engine core puts them in `request.draft_token_ids` for the next step (cut to what still fits), where
    they are verified exactly like a scheduler-half proposal. A proposal is only a guess: a wrong or missing
    draft costs time, never a token (token-exactness does not depend on the proposer).
+
+Today's built-in proposers: `ngram` is scheduler-only (it needs token ids alone); `draft` and `eagle3` run
+whole on rank 0 inside the scheduler half (`hearth.parallel.state.single_rank`), beside rank 0's shard of
+the target, which composes with tensor parallelism (the residual stream EAGLE-3 reads is whole on every TP
+rank) and, for `draft`, with pipeline parallelism. A sharded draft model or an MTP head on every rank is
+what the worker half above is for.
 
 Contract of the scheduler half (`Proposer`):
 - `propose(batch)` returns, per request in order, at most `num_tokens` token ids (may be fewer or none).
