@@ -42,15 +42,12 @@ class ForwardBatch(msgspec.Struct, omit_defaults=True):
       entries are its pages in position order, the rest is padding (page 0).
     - `page_tags`: the generation tag expected of every page a row reads, laid out like `page_table`
       (padding entries `PADDING_TAG`), for the integrity check; empty when checking is off.
-    - `tag_page_ids`/`tag_values`: pages handed out since the last step and their new tags, as the allocator
-      gave them (never read off a request's table, which is what the check distrusts), for the pool's tags.
     - `logits_indices`: flat-batch rows whose logits are sampled, 1 + len(drafts) consecutive ones per
       sampled row, in `sampling` order.
     - `bitmask_rows`/`bitmask`: grammar masks, as indices into `logits_indices` (a constrained row with
       drafts has one per position its grammar reaches) and their little-endian int32 words
       (`len(bitmask_rows)` rows of equal width; bit t allows token t). Bytes, not a list: a 150k vocabulary
       is 4.7k words a row, copied once instead of boxed as Python ints.
-    - `finished_request_ids`: requests gone since the last step; the worker drops their state first.
     """
 
     token_ids: list[int]
@@ -64,11 +61,8 @@ class ForwardBatch(msgspec.Struct, omit_defaults=True):
     logits_indices: list[int]
     sampling: list[StepSamplingRow]
     page_tags: list[int] = []
-    tag_page_ids: list[int] = []
-    tag_values: list[int] = []
     bitmask_rows: list[int] = []
     bitmask: bytes = b""
-    finished_request_ids: list[str] = []
 
     @property
     def num_tokens(self) -> int:
