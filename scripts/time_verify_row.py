@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hearth import LLM, SamplingParams
-    from hearth.engine.step_input import ForwardBatch, StepSamplingRow
+    from hearth.engine.forward_batch import ForwardBatch, StepSamplingRow
     from hearth.ops import cpu_kernels
 
     llm = LLM(str(args.model), num_threads=args.num_threads, kv_cache_memory_gib=0.25)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             page_table_width=len(pages),
             slot_mapping=[pages[p // page_size] * page_size + p % page_size for p in range(start, end)],
             logits_indices=list(range(len(tokens))),
-            sampling=[StepSamplingRow("r", params, 0, draft_token_ids=tokens[1:])],
+            sampling=[StepSamplingRow("r", params.sampler_params(), 0, draft_token_ids=tokens[1:])],
         )
 
     worker.execute(step(0, context, 0))  # the context's KV

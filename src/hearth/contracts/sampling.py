@@ -21,6 +21,8 @@ class SamplerParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None  # {token id: bias}, added to the raw logits first
+    prompt_logprobs: int | None = None  # top alternatives per scored prompt position (None: not scored)
 
     @property
     def greedy(self) -> bool:

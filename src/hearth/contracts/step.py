@@ -17,6 +17,13 @@ so its size grows with the batch by a few bytes a row, not with prompts, histori
 6. `tag_page_ids`/`tag_values`: pages handed out since the last step and their new tags (for the pool's
    tags); `bitmask_rows`/`bitmask`: grammar masks (indices into the step's logits positions, int32 words).
 
+7. `previous_rows` (overlap scheduling, `hearth.engine.overlap`): row r's appended token is the one the
+   previous step sampled for its sampled row `previous_rows[r]`; the worker appends it itself (the engine
+   core builds this step before reading those tokens). Empty for any other step.
+8. Prompt logprobs (`hearth.engine.prompt_logprobs`): row `prompt_logprob_rows[i]` scores its positions
+   `prompt_logprob_starts[i] ..` (`prompt_logprob_counts[i]` of them), each position's logits against the
+   request's next prompt token, with the top alternatives its `SamplerParams.prompt_logprobs` asks for.
+
 Room is left for the KV connectors' worker halves: `kv_ops` (in) and `kv_events` (out) go here.
 """
 
@@ -65,6 +72,10 @@ class StepInput(msgspec.Struct, omit_defaults=True):
     tag_values: list[int] = []
     bitmask_rows: list[int] = []
     bitmask: bytes = b""
+    previous_rows: list[int] = []
+    prompt_logprob_rows: list[int] = []
+    prompt_logprob_starts: list[int] = []
+    prompt_logprob_counts: list[int] = []
 
     @property
     def num_rows(self) -> int:
@@ -73,11 +84,12 @@ class StepInput(msgspec.Struct, omit_defaults=True):
 
 @dataclass
 class TokenLogprob:
-    """The logprob of one sampled token, and the `top` most likely alternatives (id, logprob)."""
+    """The logprob of one sampled (or prompt) token, and the `top` most likely alternatives (id, logprob)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # prompt logprobs: 1 + the tokens more likely than this one
 
 
 class PageTagMismatch(msgspec.Struct, array_like=True):
@@ -106,3 +118,6 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[list[TokenLogprob]] | None = None
     kv_mismatches: list[PageTagMismatch] = []
     draft_token_ids: list[list[int]] = []
+    # Per scored prompt position of the step's kept `prompt_logprob_rows`, in order (rows that failed the
+    # integrity check have none); None when the step scored none.
+    prompt_logprobs: list[TokenLogprob] | None = None

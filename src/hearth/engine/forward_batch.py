@@ -48,6 +48,9 @@ class ForwardBatch(msgspec.Struct, omit_defaults=True):
       drafts has one per position its grammar reaches) and their little-endian int32 words
       (`len(bitmask_rows)` rows of equal width; bit t allows token t). Bytes, not a list: a 150k vocabulary
       is 4.7k words a row, copied once instead of boxed as Python ints.
+    - `prompt_logits_indices`: prompt logprobs (`hearth.engine.prompt_logprobs`): flat-batch rows whose
+      logits score the next prompt token (after the sampled ones in the forward's logits), that token
+      (`prompt_logprob_token_ids`), and how many top alternatives the most demanding row wants.
     """
 
     token_ids: list[int]
@@ -63,6 +66,9 @@ class ForwardBatch(msgspec.Struct, omit_defaults=True):
     page_tags: list[int] = []
     bitmask_rows: list[int] = []
     bitmask: bytes = b""
+    prompt_logits_indices: list[int] = []
+    prompt_logprob_token_ids: list[int] = []
+    prompt_logprob_top: int = 0
 
     @property
     def num_tokens(self) -> int:

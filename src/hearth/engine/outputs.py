@@ -31,6 +31,9 @@ class RequestOutput:
     stop_reason: str | int | None = None
     error: str | None = None
     error_code: str | None = None  # with "error": what clients see as the error's `code`
+    # With the first output of a request that asked (`prompt_logprobs`): prompt tokens 1..n-1.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    queue_time_s: float | None = None  # with the first output: seconds waiting in the engine before it ran
     kv_transfer_status: str | None = None  # PD prefill side, last output: "sent" or "failed"
 
     @property

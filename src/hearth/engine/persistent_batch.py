@@ -5,7 +5,8 @@ Contract (what the rest of the worker, and CUDA graphs or overlap scheduling lat
 - `apply(step)` brings the state up to date with a `hearth.contracts.step.StepInput`, in the protocol's
   order: finished slots dropped, new requests stored, page tables updated, tokens appended. After it, a
   request's `tokens` equal the engine core's `request.token_ids` and `pages`/`tags` its `page_ids` /
-  `page_generations` (all pages it holds, in position order).
+  `page_generations` (all pages it holds, in position order); with overlap scheduling a request may be one
+  token ahead of the core (the previous step's, appended by the worker before the core reads it).
 - `flatten(step, skip_rows)` returns the step's rows as one `ForwardBatch` (the lists the model, the
   attention backend and the sampler read), leaving out `skip_rows` (rows that failed the integrity check:
   a row mask on the same state, not a second builder). `kept_sampling` on the result lists, per sampled
@@ -184,7 +185,35 @@ class PersistentBatch:
         )
         if step.bitmask_rows:
             batch.bitmask_rows, batch.bitmask = self._masks(step, skip_rows, logits_position)
+        if step.prompt_logprob_rows:
+            self._prompt_logprobs(step, skip_rows, batch)
         return batch
+
+    def _prompt_logprobs(self, step: StepInput, skip_rows: frozenset[int], batch: ForwardBatch) -> None:
+        """The flat-batch rows (and targets) of the step's scored prompt positions, for the rows kept."""
+        # Each kept row's first token in the flat batch: skipped rows take none.
+        first_token: dict[int, int] = {}
+        kept = 0
+        for row in range(step.num_rows):
+            if row not in skip_rows:
+                first_token[row] = batch.query_start_loc[kept]
+                kept += 1
+        indices: list[int] = []
+        targets: list[int] = []
+        num_top = 0
+        for row, first, count in zip(
+            step.prompt_logprob_rows, step.prompt_logprob_starts, step.prompt_logprob_counts, strict=True
+        ):
+            if row not in first_token:
+                continue
+            state = self.requests[step.slots[row]]
+            base = first_token[row] - step.starts[row]  # position p of the row is flat row base + p
+            indices.extend(range(base + first, base + first + count))
+            targets.extend(state.tokens[first + 1 : first + count + 1])  # position p scores token p + 1
+            num_top = max(num_top, state.params.prompt_logprobs or 0)
+        batch.prompt_logits_indices = indices
+        batch.prompt_logprob_token_ids = targets
+        batch.prompt_logprob_top = num_top
 
     def _masks(
         self, step: StepInput, skip_rows: frozenset[int], logits_position: dict[int, int]

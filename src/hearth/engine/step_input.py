@@ -9,6 +9,10 @@ Row contract (the scheduler's): a `ScheduledRequest(request, num_new_tokens, dra
 `request.token_ids[c : c + num_new_tokens - len(drafts)] + drafts` at positions `c .. c + num_new_tokens - 1`
 (`c = request.num_computed_tokens`); its pages (`request.page_ids`) already cover every slot. A row that
 `samples` gets 1 + len(drafts) logits positions, its last known token and each draft.
+
+Overlap scheduling (`hearth.engine.overlap`) builds a step before the previous one's tokens are read:
+`build(..., previous_rows=...)` makes every row one position past `num_computed_tokens`, its input token the
+one the previous step samples for sampled row `previous_rows[r]`, which the workers append themselves.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from hearth.contracts.step import NewRequest, PageUpdate, StepInput
 
 if TYPE_CHECKING:
+    from hearth.engine.request import Request
     from hearth.engine.scheduler import ScheduledRequest
     from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
 
@@ -74,7 +79,10 @@ class StepInputBuilder:
         self,
         scheduled: Sequence[ScheduledRequest],
         structured: StructuredOutputManager | None = None,
+        previous_rows: list[int] | None = None,
     ) -> StepInput:
+        """The step's deltas. `previous_rows`: an overlapped continuation (see the module docstring); its
+        rows are plain decode rows of requests the workers already hold."""
         sent_by_id = self._sent
         check_tags = self.check_page_tags
         finished_slots, self._finished_slots = self._finished_slots, []
@@ -102,17 +110,18 @@ class StepInputBuilder:
             request = item.request
             tokens = request.token_ids
             sent = sent_by_id.get(request.request_id)
-            if sent is None:
+            if sent is not None and sent.num_tokens > len(tokens):
+                # The workers appended a token the request never kept (an overlapped row after a step
+                # whose row was sent back to recompute): the request is sent again under its slot.
+                sent.num_tokens, sent.pages, sent.tags = len(tokens), [], []
+                new_requests.append(self._new_request(sent.slot, request))
+                num_appended.append(0)
+            elif sent is None:
                 sent = sent_by_id[request.request_id] = _Sent(self._new_slot(), len(tokens))
-                new_requests.append(
-                    NewRequest(
-                        sent.slot,
-                        request.request_id,
-                        request.num_prompt_tokens,
-                        list(tokens),
-                        request.params.sampler_params(),
-                    )
-                )
+                new_requests.append(self._new_request(sent.slot, request))
+                num_appended.append(0)
+            elif previous_rows is not None:
+                sent.num_tokens += 1  # the workers append the token the previous step samples for it
                 num_appended.append(0)
             elif sent.num_tokens < len(tokens):
                 appended.extend(tokens[sent.num_tokens :])
@@ -125,7 +134,7 @@ class StepInputBuilder:
             if request.page_ids != sent.pages or request.page_generations != sent.tags:
                 page_updates.append(self._page_update(sent, request.page_ids, request.page_generations))
             slots.append(sent.slot)
-            starts.append(request.num_computed_tokens)
+            starts.append(request.num_computed_tokens + (previous_rows is not None))
             num_new_tokens.append(item.num_new_tokens)
             drafts = item.draft_token_ids
             num_drafts.append(len(drafts))
@@ -152,6 +161,7 @@ class StepInputBuilder:
             finished_slots=finished_slots,
             tag_page_ids=tag_page_ids,
             tag_values=tag_values,
+            previous_rows=previous_rows or [],
         )
         if not check_tags:
             for update in page_updates:
@@ -161,6 +171,16 @@ class StepInputBuilder:
                 raise ValueError("constrained rows in the batch, but no StructuredOutputManager to mask them")
             self._add_bitmask(step, constrained, structured)
         return step
+
+    @staticmethod
+    def _new_request(slot: int, request: Request) -> NewRequest:
+        return NewRequest(
+            slot,
+            request.request_id,
+            request.num_prompt_tokens,
+            list(request.token_ids),
+            request.params.sampler_params(),
+        )
 
     @staticmethod
     def _page_update(sent: _Sent, pages: list[int], tags: list[int]) -> PageUpdate:

@@ -21,7 +21,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from hearth.contracts.step import PageTagMismatch, StepInput, StepOutput, TokenLogprob
+from hearth.engine import prompt_logprobs
 from hearth.engine.config import EngineConfig
+from hearth.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_ROWS, DecodeGraphs, wants_decode_graphs
 from hearth.engine.forward_batch import ForwardBatch, StepSamplingRow
 from hearth.engine.fp8_kv_scales import init_fp8_kv_scales
 from hearth.engine.persistent_batch import FlatBatch, PersistentBatch
@@ -36,7 +38,8 @@ from hearth.model.config import ModelConfig
 from hearth.model.loader import load_model
 from hearth.model.quantization.select import resolve_quantization
 from hearth.ops import cpu_kernels
-from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
+from hearth.ops.attention import AttentionBackend, AttentionContext, AttentionMetadata, select_backend
+from hearth.ops.attention.backend import AttentionKind
 from hearth.parallel.state import parallel_state
 from hearth.parallel.topology import rank_kv_heads
 
@@ -126,7 +129,10 @@ class Worker:
             head = Eagle3Config.from_dir(config.speculative_model, model_config.num_layers)
             self.model.aux_hidden_layers = head.aux_layer_ids
         layout = dataclasses.replace(layout, num_layers=len(stage))
-        self.kv_pool = KVPool(layout, num_pages, self.device)
+        backend_cls = select_backend(self.device)
+        # [i31] Decode CUDA graphs: their padding rows use one scratch page past the cache manager's.
+        graphs = wants_decode_graphs(config.enforce_eager, self.device, backend_cls, parallel)
+        self.kv_pool = KVPool(layout, num_pages + int(graphs), self.device)
         if self.kv_pool.quantized:
             # Sharded: the pool holds this stage's layers and this rank's KV heads, and so do its scales.
             sharded = parallel.pp_size > 1 or parallel.tp_size > 1
@@ -143,7 +149,6 @@ class Worker:
         self.batch = PersistentBatch(layout.page_size, check_page_tags=config.kv_integrity)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
         max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
-        backend_cls = select_backend(self.device)
         self.attention: AttentionBackend = backend_cls(
             device=self.device,
             page_size=layout.page_size,
@@ -152,16 +157,21 @@ class Worker:
             dtype=dtype,
             kv_dtype=layout.kv_dtype,
             sliding_window=model_config.sliding_window,
+            layer_kinds=tuple(AttentionKind(*model_config.layer_attention(i)) for i in stage),
         )
         self.sampler = Sampler(sample_vocab_size, set(eos_token_ids))
         self._generators: dict[str, torch.Generator] = {}
         # Called with each step after the model's forward (an EAGLE-3 proposer takes the step's aux hidden states).
         self.after_forward: Callable[[ForwardBatch], None] | None = None
         torch.manual_seed(config.seed)
+        self.decode_graphs: DecodeGraphs | None = None  # [i31]
+        self._last_sampled: list[list[int]] = []  # [i31] the previous step's tokens, for overlap scheduling
+        if graphs:
+            self.decode_graphs = self._capture_decode_graphs(num_pages, config.max_num_seqs)
         if self.device.type == "cpu":
-            # Compiled CPU kernels, loaded (or built, the first time) in the background so they never delay
-            # readiness; the torch paths serve until they are there.
-            cpu_kernels.start_build()
+            # Compiled CPU kernels, loaded (or built, the first time on a machine) before the server is
+            # ready: a compile never competes with serving. A failed build leaves the torch paths.
+            cpu_kernels.build_before_ready()
         logger.info(
             "worker on %s: attention backend %s, KV %s, weights %s",
             self.device,
@@ -170,8 +180,18 @@ class Worker:
             quantization,
         )
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        if step.previous_rows:  # [i31] overlap scheduling: each row's token is the one the last step sampled
+            previous = self._last_sampled
+            step.num_appended_tokens = [1] * step.num_rows
+            step.appended_token_ids = [previous[row][-1] if row < len(previous) and previous[row] else 0
+                                       for row in step.previous_rows]  # fmt: skip
+        output = self._execute(step)
+        self._last_sampled = output.sampled_token_ids
+        return output
+
+    @torch.inference_mode()
+    def _execute(self, step: StepInput) -> StepOutput:
         for request_id in self.batch.apply(step):
             self._generators.pop(request_id, None)
         if step.tag_page_ids:
@@ -189,12 +209,25 @@ class Worker:
 
     def _run(self, step: ForwardBatch) -> StepOutput:
         logits = self.forward(step)
+        prompt_entries = None
+        if step.prompt_logits_indices and logits is not None:  # issue 27: prompt logprobs, split off first
+            num_sampled = len(step.logits_indices)
+            prompt_entries = prompt_logprobs.compute(
+                logits[num_sampled:],
+                step.prompt_logprob_token_ids,
+                step.prompt_logprob_top,
+                self.sampler.vocab_size,
+            )
+            logits = logits[:num_sampled]
         if logits is None or not step.sampling or not self.is_sampling_rank:
-            return StepOutput([])  # another rank samples (see hearth.engine.ranks.executor)
+            # Another rank samples (see hearth.engine.ranks.executor).
+            return StepOutput([], prompt_logprobs=prompt_entries)
         if step.bitmask_rows:
             words = torch.frombuffer(bytearray(step.bitmask), dtype=torch.int32)
             apply_bitmask(logits, step.bitmask_rows, words.view(len(step.bitmask_rows), -1))
-        return self._sample(logits, step.sampling)
+        output = self._sample(logits, step.sampling)
+        output.prompt_logprobs = prompt_entries
+        return output
 
     def _run_without(
         self, step: StepInput, num_sampled: int, mismatches: list[PageTagMismatch]
@@ -203,7 +236,7 @@ class Worker:
         kept: FlatBatch = self.batch.flatten(step, frozenset(mismatch.row for mismatch in mismatches))
         output = self._run(kept) if kept.token_ids else StepOutput([])
         if len(output.sampled_token_ids) != len(kept.kept_sampling):  # a rank that does not sample
-            return StepOutput([], None, mismatches)
+            return StepOutput([], None, mismatches, prompt_logprobs=output.prompt_logprobs)
         sampled: list[list[int]] = [[] for _ in range(num_sampled)]
         logprobs: list[list[TokenLogprob]] | None = (
             [[] for _ in range(num_sampled)] if output.logprobs else None
@@ -213,7 +246,7 @@ class Worker:
         if logprobs is not None and output.logprobs is not None:
             for index, row_logprobs in zip(kept.kept_sampling, output.logprobs, strict=True):
                 logprobs[index] = row_logprobs
-        return StepOutput(sampled, logprobs, mismatches)
+        return StepOutput(sampled, logprobs, mismatches, prompt_logprobs=output.prompt_logprobs)
 
     @torch.inference_mode()
     def forward(self, step: ForwardBatch) -> torch.Tensor | None:
@@ -224,8 +257,18 @@ class Worker:
         return self._forward_one(step)
 
     def _forward_one(self, step: ForwardBatch) -> torch.Tensor | None:
+        if self.decode_graphs is not None and self.after_forward is None:  # [i31] replay a captured step
+            logits = self.decode_graphs.run(step)
+            if logits is not None:
+                return logits
         num_tokens = len(step.token_ids)
-        ids = torch.tensor(step.token_ids + step.positions + step.logits_indices, dtype=torch.long)
+        # Prompt-logprob rows (issue 27) ride after the sampled ones; `_run` splits them off.
+        logits_indices = (
+            step.logits_indices + step.prompt_logits_indices
+            if step.prompt_logits_indices
+            else step.logits_indices
+        )
+        ids = torch.tensor(step.token_ids + step.positions + logits_indices, dtype=torch.long)
         if self.device.type == "cuda":  # pinned, so the copy is asynchronous
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         elif self.device.type != "cpu":
@@ -237,6 +280,34 @@ class Worker:
             self.after_forward(step)
         return logits
 
+    # [i31] decode CUDA graphs (hearth.engine.cuda_graphs)
+    def _capture_decode_graphs(self, scratch_page: int, max_num_seqs: int) -> DecodeGraphs | None:
+        graphs = DecodeGraphs(
+            self._graph_forward,
+            self.attention,
+            scratch_page=scratch_page,
+            max_rows=min(max_num_seqs, DEFAULT_MAX_CAPTURE_ROWS),
+            capture=self.device.type == "cuda",  # elsewhere (tests) the same steps, run eagerly
+        )
+        try:
+            graphs.capture()
+        except Exception:  # a model with a host sync in its forward: eager steps still work
+            logger.warning("decode graphs could not be captured; every step runs eagerly", exc_info=True)
+            return None
+        return graphs
+
+    def _graph_forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx = AttentionContext(self.attention, metadata, self.kv_pool)
+        logits = self.model(ids, positions, ctx, logits_indices)
+        assert logits is not None  # graphs are captured on a single stage only
+        return logits
+
     def _sample(self, logits: torch.Tensor, sampling: list[StepSamplingRow]) -> StepOutput:
         """Greedy rows and rows without drafts go through the sampler in one batch (a greedy row keeps the run
         of drafts that agree with its argmax: exact); sampled rows with drafts are verified by rejection
@@ -246,6 +317,7 @@ class Worker:
             and row.params.logprobs is None
             and row.params.greedy
             and not row.params.needs_penalties
+            and not row.params.logit_bias
             and row.num_output_tokens >= row.params.min_tokens
             for row in sampling
         ):  # the common decode step: the sampler's own shortcut, without building its rows

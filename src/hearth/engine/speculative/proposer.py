@@ -25,7 +25,7 @@ The protocol (`hearth.contracts.step`):
    they are verified exactly like a scheduler-half proposal. A proposal is only a guess: a wrong or missing
    draft costs time, never a token (token-exactness does not depend on the proposer).
 
-Today's built-in proposers: `ngram` is scheduler-only (it needs token ids alone); `draft` and `eagle3` run
+Today's built-in proposers: `ngram` and `suffix` are scheduler-only (it needs token ids alone); `draft` and `eagle3` run
 whole on rank 0 inside the scheduler half (`hearth.parallel.state.single_rank`), beside rank 0's shard of
 the target, which composes with tensor parallelism (the residual stream EAGLE-3 reads is whole on every TP
 rank) and, for `draft`, with pipeline parallelism. A sharded draft model or an MTP head on every rank is
@@ -38,7 +38,8 @@ Contract of the scheduler half (`Proposer`):
   `has_worker_half = True`; the engine then asks the worker for `num_tokens` instead.
 - Between calls the target may keep any prefix of the previous proposal: a proposer holding state per
   request (a draft model's KV) reconciles with `token_ids` itself.
-- `request_finished(request_id)` drops that state; it is called once for every request that ends.
+- `request_finished(request_id)` drops that state; it is called once for every request that ends,
+  after `request_done` (its final tokens, for proposers that learn from earlier answers: `suffix`).
 
 Contract of the worker half (`ProposerWorker`):
 - `after_target_forward(batch, hidden)`: called by the worker after every target forward with the step's
@@ -64,6 +65,9 @@ class ProposalRequest:
     token_ids: list[int]
     num_prompt_tokens: int
     num_tokens: int  # how many to propose (>= 1)
+    # Whose request it is (the prefix-cache root, covering `cache_salt`): proposers that learn across
+    # requests (`suffix`) keep what they learn per tenant.
+    tenant: bytes = b""
 
 
 class Proposer(ABC):
@@ -75,19 +79,26 @@ class Proposer(ABC):
       which is what the rejection sampler assumes.
     - Between calls the target may keep any prefix of the previous proposal: a proposer holding state per
       request (a draft model's KV) reconciles with `token_ids` itself.
-    - `request_finished(request_id)` drops that state; it is called once for every request that ends.
+    - `request_finished(request_id)` drops that state; it is called once for every request that ends,
+      after `request_done` (its final tokens, for proposers that learn from earlier answers).
     """
 
     name: str = "?"
     # True when the drafts come from a `ProposerWorker` on every rank (draft model, EAGLE-3, MTP): the engine
     # asks the worker for `num_tokens` per request instead of calling `propose` for tokens.
     has_worker_half: bool = False
+    # True: drafts are as long as the proposer is confident (up to `num_tokens`), so the speculator offers
+    # the full K rather than a K grown from recent acceptance.
+    sizes_own_drafts: bool = False
 
     @abstractmethod
     def propose(self, batch: list[ProposalRequest]) -> list[list[int]]: ...
 
     def target_step_done(self, batch: list[Any]) -> None:  # noqa: B027 (most proposers read nothing of it)
         """The target ran a step over `batch` (`ScheduledRequest`s, outputs already applied to the requests)."""
+
+    def request_done(self, request: ProposalRequest) -> None:  # noqa: B027 (most learn nothing across requests)
+        """The request ended with `request.token_ids` (prompt + answer); called before `request_finished`."""
 
     def request_finished(self, request_id: str) -> None:  # noqa: B027 (stateless proposers keep nothing)
         """Drop whatever is kept for the request."""
