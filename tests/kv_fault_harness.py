@@ -86,6 +86,7 @@ class HashWorker(Worker):
         self.is_sampling_rank = True
         self.sampler = Sampler(HASH_VOCAB, set())
         self._generators = {}
+        self._last_sampled = []
         self.model = None  # type: ignore[assignment]
         self._slots = self.kv_pool.storage[0, 0, :, 0, 0]
         self._powers = torch.zeros(0, dtype=torch.long)

@@ -11,6 +11,7 @@ import msgspec
 
 from hearth.contracts.sampling import SamplerParams
 from hearth.contracts.step import NewRequest, PageUpdate, StepInput, StepOutput, TokenLogprob
+from hearth.engine.sampling_params import SamplingParams
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
@@ -50,3 +51,10 @@ def test_sampler_params_say_greedy_and_penalties_like_the_request_params():
     assert SamplerParams(temperature=0.0).greedy and SamplerParams(top_k=1).greedy
     assert not SamplerParams().greedy
     assert SamplerParams(repetition_penalty=1.1).needs_penalties and not SamplerParams().needs_penalties
+
+
+def test_sampler_params_carry_logit_bias_and_prompt_logprobs_to_the_workers():
+    params = SamplingParams(logit_bias={5: 2.5, 9: -100.0}, prompt_logprobs=3).sampler_params()
+    assert params.logit_bias == {5: 2.5, 9: -100.0} and params.prompt_logprobs == 3
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplerParams)
+    assert decoded == params

@@ -171,3 +171,24 @@ def test_flattening_a_decode_batch_of_64_is_cheap():
         state.flatten(step)
     per_step_s = (time.perf_counter() - start) / 20
     assert per_step_s < 2e-3  # ~0.1 ms on a quiet machine; generous for a loaded one
+
+
+def test_prompt_logprob_positions_become_logits_rows_after_the_sampled_ones_and_follow_a_mask():
+    from hearth.engine import prompt_logprobs
+
+    batch = mixed_batch()
+    batch[2].request.params = SamplingParams(temperature=0, prompt_logprobs=2)  # c: positions 2..7
+    batch[3].request.params = SamplingParams(temperature=0, prompt_logprobs=5)  # d: positions 3..4
+    step = StepInputBuilder(PAGE_SIZE).build(batch)
+    chunks = prompt_logprobs.plan(step, batch)
+    assert [(row, first, count) for row, _, first, count in chunks] == [(2, 2, 6), (3, 3, 2)]
+    state = PersistentBatch(PAGE_SIZE)
+    state.apply(step)
+    flat = state.flatten(step)
+    # c's tokens are flat rows 2..7 (a and b decode first), d's 8..10.
+    assert flat.prompt_logits_indices == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert flat.prompt_logprob_token_ids == [*range(103, 109), 204, 205]
+    assert flat.prompt_logprob_top == 5
+    kept = state.flatten(step, frozenset({0, 2}))  # a and c fail the check: d's rows move up
+    assert kept.prompt_logits_indices == [1, 2] and kept.prompt_logprob_token_ids == [204, 205]
+    assert kept.prompt_logprob_top == 5

@@ -182,3 +182,42 @@ def test_an_entry_changed_in_place_reaches_the_workers():
     request.page_ids[0], request.page_ids[2] = request.page_ids[2], request.page_ids[0]
     [update] = builder.build(rows).page_updates
     assert (update.num_kept_pages, update.page_ids) == (0, request.page_ids)
+
+
+def test_a_continuation_is_one_position_further_and_the_workers_append_the_sampled_token():
+    """Overlap scheduling: step N+1 is built before N's tokens are read; each worker appends them itself."""
+    rows = decode_batch(3, prompt_tokens=14)
+    builder = StepInputBuilder(16)
+    state = PersistentBatch(16)
+    state.apply(builder.build(rows))
+    continued = [rows[2], rows[0]]  # rows 2 and 0 of step N go on (row 1's request ends at N)
+    step = builder.build(continued, previous_rows=[2, 0])
+    assert step.new_requests == [] and step.appended_token_ids == []
+    assert step.starts == [15, 15] and step.num_new_tokens == [1, 1]
+    state.apply(step, previous_sampled=[[40], [41], [42]])  # what step N sampled, per sampled row
+    for row, token in zip(continued, (42, 40), strict=True):
+        assert state.requests[builder._sent[row.request.request_id].slot].tokens == [
+            *row.request.token_ids,
+            token,
+        ]
+    assert state.flatten(step).token_ids == [42, 40] and state.flatten(step).positions == [15, 15]
+    for row, token in zip(rows, (40, 41, 42), strict=True):  # the engine core files N's tokens
+        advance([row], token)
+    after = builder.build(continued)  # the workers already hold the tokens: nothing is appended
+    assert after.appended_token_ids == [] and after.new_requests == []
+
+
+def test_a_request_the_workers_hold_a_token_ahead_of_is_sent_again_under_its_slot():
+    """A continued row whose step-N row was sent back to recompute: its N token was never kept."""
+    rows = decode_batch(1, prompt_tokens=14)
+    builder = StepInputBuilder(16)
+    state = PersistentBatch(16)
+    state.apply(builder.build(rows))
+    state.apply(builder.build(rows, previous_rows=[0]), previous_sampled=[[]])
+    request = rows[0].request
+    request.num_computed_tokens = 0  # back to waiting, then rescheduled as one prefill
+    again = builder.build([Row(request, len(request.token_ids))])
+    assert [new.slot for new in again.new_requests] == again.slots
+    state.apply(again)
+    held = state.requests[again.slots[0]]
+    assert held.tokens == request.token_ids and held.pages == request.page_ids

@@ -18,6 +18,7 @@ Contract (what the rest of the worker, and CUDA graphs or overlap scheduling lat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hearth.contracts.sampling import SamplerParams
@@ -48,8 +49,16 @@ class PersistentBatch:
         self.check_page_tags = check_page_tags
         self.requests: dict[int, RequestState] = {}  # slot -> state
 
-    def apply(self, step: StepInput) -> list[str]:
-        """Updates the state; returns the ids of the requests that finished (their other state goes too)."""
+    def apply(self, step: StepInput, previous_sampled: Sequence[list[int]] = ()) -> list[str]:
+        """Updates the state; returns the ids of the requests that finished (their other state goes too).
+        `previous_sampled`: the previous step's `StepOutput.sampled_token_ids`, which an overlapped step
+        (`step.previous_rows`) appends to its rows (0 for a row that got none: its request does not go on)."""
+        if step.previous_rows:
+            step.num_appended_tokens = [1] * step.num_rows
+            step.appended_token_ids = [
+                previous_sampled[row][-1] if row < len(previous_sampled) and previous_sampled[row] else 0
+                for row in step.previous_rows
+            ]
         requests = self.requests
         finished = [requests.pop(slot).request_id for slot in step.finished_slots if slot in requests]
         for new in step.new_requests:

@@ -180,19 +180,14 @@ class Worker:
             quantization,
         )
 
+    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        if step.previous_rows:  # [i31] overlap scheduling: each row's token is the one the last step sampled
-            previous = self._last_sampled
-            step.num_appended_tokens = [1] * step.num_rows
-            step.appended_token_ids = [previous[row][-1] if row < len(previous) and previous[row] else 0
-                                       for row in step.previous_rows]  # fmt: skip
         output = self._execute(step)
-        self._last_sampled = output.sampled_token_ids
+        self._last_sampled = output.sampled_token_ids  # [i31] overlap: the next step may continue its rows
         return output
 
-    @torch.inference_mode()
     def _execute(self, step: StepInput) -> StepOutput:
-        for request_id in self.batch.apply(step):
+        for request_id in self.batch.apply(step, self._last_sampled):
             self._generators.pop(request_id, None)
         if step.tag_page_ids:
             self.kv_pool.set_page_tags(step.tag_page_ids, step.tag_values)
