@@ -252,8 +252,9 @@ class Worker:
         return self._forward_one(step)
 
     def _forward_one(self, step: ForwardBatch) -> torch.Tensor | None:
-        if self.decode_graphs is not None and self.after_forward is None:  # [i31] replay a captured step
-            logits = self.decode_graphs.run(step)
+        graphs = self.decode_graphs
+        if graphs is not None and self.after_forward is None and not step.prompt_logits_indices:
+            logits = graphs.run(step)  # [i31] a captured plain decode step (None: this one runs eagerly)
             if logits is not None:
                 return logits
         num_tokens = len(step.token_ids)
