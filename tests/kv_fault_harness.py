@@ -125,9 +125,11 @@ def hash_engine(
     kv_integrity: bool = True,
     action: str = "recompute",
     max_model_len: int = 4096,
+    async_scheduling: bool = False,
 ) -> Engine:
     config = EngineConfig(
         model="hash",
+        async_scheduling=async_scheduling,
         page_size=page_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

@@ -427,3 +427,21 @@ def test_tiny_model_under_faults_never_returns_a_wrong_token_and_does_without_th
     assert verdicts[True].num_correct + verdicts[True].num_error == len(prompts)
     assert verdicts[True].num_correct >= 0.5 * len(prompts)
     assert verdicts[False].num_wrong > 0
+
+
+def test_overlapped_steps_with_faults_never_return_a_wrong_token():
+    """Overlap scheduling over the delta protocol: a continued row whose previous row failed the check (and
+    went back to recompute) has its request re-sent, so the worker's tokens never drift from the core's;
+    the continued row's own failure is not handled a second time."""
+    engine = hash_engine(num_pages=80, max_num_seqs=8, async_scheduling=True)
+    injector = inject_faults(engine, {"early_free": 0.05, "table_swap": 0.03}, seed=7)
+    prompts = random_prompts(80, 5, 3, 30, HASH_VOCAB, shared_prefixes=6, prefix_len=10)
+    answers = drive(engine, prompts, 12, window=8)  # no queue: decode steps continue into the next
+    verdict = judge(answers, {rid: hash_greedy(prompt, 12) for rid, prompt in prompts.items()})
+    assert engine.runner.overlaps and engine.num_overlapped_steps > 0
+    assert sum(injector.counts().values()) > 10 and engine.integrity.num_recomputed > 0
+    assert verdict.num_wrong == 0, verdict.wrong_request_ids[:5]
+    assert verdict.num_correct + verdict.num_error == verdict.num_requests  # errors: failed twice
+    assert verdict.num_correct > verdict.num_requests // 2
+    engine.close()
+    assert engine.kv.num_available_pages == engine.kv.num_pages  # nothing leaked

@@ -273,6 +273,9 @@ class Engine:
     ) -> list[CoreOutput]:
         """Rows whose pages were not theirs: recomputed (back to waiting) or ended with an error; none of
         this step's tokens is kept for them."""
+        # Overlap scheduling: a launched row of a request that the previous step's check ended or sent back
+        # (or an abort took) keeps none of its tokens anyway, and is not handled twice.
+        mismatches = [m for m in mismatches if batch[m.row].request.status is RequestStatus.RUNNING]
         return [
             self._finish(request, [], None, "error", error=message, error_code=KV_INTEGRITY_ERROR)
             for request, message in self.integrity.handle(batch, mismatches)
