@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from hearth.engine.step_input import StepInput
+from hearth.engine.forward_batch import ForwardBatch
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.ops import cpu_kernels
 from hearth.ops.attention.cpu import CpuBackend
@@ -39,7 +39,7 @@ def main() -> None:
     pool.storage.normal_()
     # Decode allocates one page per sequence in turn, so a sequence's pages interleave with the others'.
     table = torch.arange(num_pages).view(max_pages, args.seqs).t().contiguous()
-    step = StepInput(
+    step = ForwardBatch(
         token_ids=[0] * args.seqs,
         positions=[args.context - 1] * args.seqs,
         query_start_loc=list(range(args.seqs + 1)),

@@ -25,7 +25,7 @@ import time
 import torch
 
 from hearth.engine.cuda_graphs import DecodeGraphs, bucket_for
-from hearth.engine.step_input import StepInput
+from hearth.engine.forward_batch import ForwardBatch
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.model.config import ModelConfig
 from hearth.model.loader import build_model
@@ -108,11 +108,11 @@ def profile_replays(
         out.write("\n".join(text))
 
 
-def decode_step_input(batch: int, context: int, page_size: int) -> StepInput:
+def decode_step_input(batch: int, context: int, page_size: int) -> ForwardBatch:
     pages_per_row = -(-context // page_size)
     table = [row * pages_per_row + p for row in range(batch) for p in range(pages_per_row)]
     position = context - 1
-    return StepInput(
+    return ForwardBatch(
         token_ids=[(17 * row) % 500 + 1 for row in range(batch)],
         positions=[position] * batch,
         query_start_loc=list(range(batch + 1)),
@@ -127,7 +127,7 @@ def decode_step_input(batch: int, context: int, page_size: int) -> StepInput:
     )  # fmt: skip
 
 
-def page_tag_check_seconds(step: StepInput, pool: KVPool, device: torch.device, repeats: int) -> float:
+def page_tag_check_seconds(step: ForwardBatch, pool: KVPool, device: torch.device, repeats: int) -> float:
     """Seconds of the KV integrity check (`check_page_tags`, Triton on CUDA) over this step's page table."""
     from hearth.ops.triton.page_tags import check_page_tags, check_page_tags_reference
 

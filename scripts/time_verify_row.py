@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hearth import LLM, SamplingParams
-    from hearth.engine.step_input import StepInput, StepSamplingRow
+    from hearth.engine.forward_batch import ForwardBatch, StepSamplingRow
     from hearth.ops import cpu_kernels
 
     llm = LLM(str(args.model), num_threads=args.num_threads, kv_cache_memory_gib=0.25)
@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     pages = list(range(1, num_pages + 1))
     params = SamplingParams(temperature=0.0, max_tokens=64)
 
-    def step(start: int, tokens: list[int], num_decode_rows: int) -> StepInput:
+    def step(start: int, tokens: list[int], num_decode_rows: int) -> ForwardBatch:
         end = start + len(tokens)
-        return StepInput(
+        return ForwardBatch(
             token_ids=tokens,
             positions=list(range(start, end)),
             query_start_loc=[0, len(tokens)],
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             page_table_width=len(pages),
             slot_mapping=[pages[p // page_size] * page_size + p % page_size for p in range(start, end)],
             logits_indices=list(range(len(tokens))),
-            sampling=[StepSamplingRow("r", params, 0, draft_token_ids=tokens[1:])],
+            sampling=[StepSamplingRow("r", params.sampler_params(), 0, draft_token_ids=tokens[1:])],
         )
 
     worker.execute(step(0, context, 0))  # the context's KV
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     decode = step(last, [1], 1)
     verify = step(last, [1] + context[: args.num_drafts], 0)
     backend = worker.attention
-    configs: dict[str, tuple[StepInput, bool]] = {"decode": (decode, True), "verify": (verify, True)}
+    configs: dict[str, tuple[ForwardBatch, bool]] = {"decode": (decode, True), "verify": (verify, True)}
     if args.compare:
         configs["verify_prefill_path"] = (verify, False)
     times: dict[str, list[float]] = {

@@ -22,13 +22,15 @@ from typing import Any
 
 import torch
 
+from hearth.contracts.step import StepInput
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
+from hearth.engine.forward_batch import ForwardBatch
 from hearth.engine.messages import EngineRequest
+from hearth.engine.persistent_batch import PersistentBatch
 from hearth.engine.sampler import Sampler
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
-from hearth.engine.step_input import StepInput
 from hearth.engine.worker import StepOutput, Worker
 from hearth.kv.faults import KVFaultInjector
 from hearth.kv.integrity import make_page_tag_check
@@ -80,14 +82,16 @@ class HashWorker(Worker):
         layout = KVLayout(1, 1, 1, page_size, torch.float32)
         self.kv_pool = KVPool(layout, num_pages)
         self.page_tag_check = make_page_tag_check(kv_integrity)
+        self.batch = PersistentBatch(page_size, check_page_tags=kv_integrity)
         self.is_sampling_rank = True
         self.sampler = Sampler(HASH_VOCAB, set())
         self._generators = {}
+        self._last_sampled = []
         self.model = None  # type: ignore[assignment]
         self._slots = self.kv_pool.storage[0, 0, :, 0, 0]
         self._powers = torch.zeros(0, dtype=torch.long)
 
-    def _run(self, step: StepInput) -> StepOutput:
+    def _run(self, step: ForwardBatch) -> StepOutput:
         if any(row.draft_token_ids or not row.params.greedy for row in step.sampling):
             raise ValueError("HashWorker answers greedy rows without drafts only")
         slots = self._slots
@@ -121,9 +125,11 @@ def hash_engine(
     kv_integrity: bool = True,
     action: str = "recompute",
     max_model_len: int = 4096,
+    async_scheduling: bool = False,
 ) -> Engine:
     config = EngineConfig(
         model="hash",
+        async_scheduling=async_scheduling,
         page_size=page_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

@@ -32,10 +32,9 @@ def main() -> None:
                 llm.generate(prompts, params)
         results = llm.generate(prompts, params)
         tag = llm.engine._kv_layout_tag
-        print(
-            json.dumps({"layout": layout, "tokens": [r.token_ids for r in results], "kv_tag": tag}),
-            flush=True,
-        )
+        drafted = llm.engine.stats().spec_draft_tokens_total
+        line = {"layout": layout, "tokens": [r.token_ids for r in results], "kv_tag": tag, "drafted": drafted}
+        print(json.dumps(line), flush=True)
         shutdown = getattr(worker, "shutdown", None)
         if shutdown is not None:
             shutdown()

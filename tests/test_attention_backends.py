@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearth.engine.step_input import StepInput
+from hearth.engine.forward_batch import ForwardBatch
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionBackend, available_backends, get_backend, select_backend
@@ -50,7 +50,7 @@ def test_registry_selects_by_device_and_honours_the_override(monkeypatch):
         get_backend("flash")
 
 
-def make_step(rows: list[tuple[int, int]], page_tables: list[list[int]]) -> StepInput:
+def make_step(rows: list[tuple[int, int]], page_tables: list[list[int]]) -> ForwardBatch:
     """rows: (context_len after the step, query tokens); decode rows (1 token) first."""
     width = max(len(pages) for pages in page_tables)
     query_start_loc, slots, positions = [0], [], []
@@ -62,7 +62,7 @@ def make_step(rows: list[tuple[int, int]], page_tables: list[list[int]]) -> Step
     num_decode_rows = 0
     while num_decode_rows < len(rows) and rows[num_decode_rows][1] == 1:
         num_decode_rows += 1
-    return StepInput(
+    return ForwardBatch(
         token_ids=[0] * len(slots),
         positions=positions,
         query_start_loc=query_start_loc,
@@ -76,7 +76,9 @@ def make_step(rows: list[tuple[int, int]], page_tables: list[list[int]]) -> Step
     )
 
 
-def reference_attention(q, pool: KVPool, step: StepInput, scale: float, window: int | None) -> torch.Tensor:
+def reference_attention(
+    q, pool: KVPool, step: ForwardBatch, scale: float, window: int | None
+) -> torch.Tensor:
     """Per query token: softmax over its row's keys at positions (p - window, p], read slot by slot."""
     k_pool, v_pool = (t.double() for t in pool.layer(0))
     width = step.page_table_width
@@ -237,7 +239,7 @@ def test_cpu_multi_token_rows_take_the_decode_kernel_and_attend_causally(rows, p
 
 
 def reference_by_first_key(
-    q, pool: KVPool, layer: int, step: StepInput, scale: float, first_key
+    q, pool: KVPool, layer: int, step: ForwardBatch, scale: float, first_key
 ) -> torch.Tensor:
     """Per query token at position p: softmax over its row's keys at positions [first_key(p), p], slot by slot."""
     k_pool, v_pool = (t.double() for t in pool.layer(layer))

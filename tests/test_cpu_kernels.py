@@ -8,7 +8,7 @@ import torch
 from hf_oracle import hf_greedy
 
 from hearth import LLM, SamplingParams
-from hearth.engine.step_input import StepInput
+from hearth.engine.forward_batch import ForwardBatch
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.model.layers import Linear
 from hearth.ops import cpu_kernels
@@ -19,10 +19,10 @@ kernel = cpu_kernels.paged_decode_attention_kernel(wait=True)
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain for torch extensions here")
 
 
-def decode_step(lens: list[int], table: torch.Tensor) -> StepInput:
+def decode_step(lens: list[int], table: torch.Tensor) -> ForwardBatch:
     """A step of decode rows only, over the given page table (the K/V are already in the pool)."""
     n = len(lens)
-    return StepInput(
+    return ForwardBatch(
         token_ids=[0] * n,
         positions=[length - 1 for length in lens],
         query_start_loc=list(range(n + 1)),

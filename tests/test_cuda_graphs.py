@@ -18,20 +18,20 @@ from hearth.engine.cuda_graphs import (
     pad_decode_step,
     wants_decode_graphs,
 )
-from hearth.engine.step_input import StepInput
+from hearth.engine.forward_batch import ForwardBatch
 from hearth.ops.attention.torch_ref import TorchRefBackend
 from hearth.ops.attention.triton import TritonBackend
 from hearth.parallel.state import ParallelState
 
 
-def decode_step(seq_lens: list[int], page_size: int = 4) -> StepInput:
+def decode_step(seq_lens: list[int], page_size: int = 4) -> ForwardBatch:
     """Plain decode rows; row r owns pages 10r, 10r+1, ... ."""
     width = max(-(-n // page_size) for n in seq_lens)
     table: list[int] = []
     for row, n in enumerate(seq_lens):
         pages = [10 * row + p for p in range(-(-n // page_size))]
         table += pages + [0] * (width - len(pages))
-    return StepInput(
+    return ForwardBatch(
         token_ids=[5 + row for row in range(len(seq_lens))],
         positions=[n - 1 for n in seq_lens],
         query_start_loc=list(range(len(seq_lens) + 1)),
@@ -95,7 +95,7 @@ def test_only_plain_decode_steps_qualify() -> None:
     unsampled = decode_step([3, 7])
     unsampled.logits_indices = [1]  # a row that does not sample (another rank's, say)
     assert not is_plain_decode(unsampled)
-    assert not is_plain_decode(StepInput([], [], [0], [], 0, [], 0, [], [], []))  # no rows
+    assert not is_plain_decode(ForwardBatch([], [], [0], [], 0, [], 0, [], [], []))  # no rows
 
 
 def test_graphs_are_wanted_on_cuda_only_unless_eager_is_forced() -> None:

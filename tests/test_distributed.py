@@ -49,8 +49,10 @@ def run_layouts(
     timeout_s: float = 600,
     kv_tags: list[str] | None = None,
     prompts: list[list[int]] = PROMPTS,
+    drafted: list[int] | None = None,
 ) -> list[list[list[int]]]:
-    """Greedy tokens under each layout, from a process of their own; `kv_tags` collects the KV layout tags."""
+    """Greedy tokens under each layout, from a process of their own; `kv_tags` collects the KV layout tags,
+    `drafted` the draft tokens each layout's speculative decoding proposed."""
     done = subprocess.run(
         [sys.executable, str(SCRIPT), str(model_dir), json.dumps(layouts), "--prompts", json.dumps(prompts)],
         capture_output=True,
@@ -63,6 +65,8 @@ def run_layouts(
     assert [line["layout"] for line in lines] == layouts
     if kv_tags is not None:
         kv_tags.extend(line["kv_tag"] for line in lines)
+    if drafted is not None:
+        drafted.extend(line["drafted"] for line in lines)
     return [line["tokens"] for line in lines]
 
 

@@ -130,3 +130,20 @@ def test_quantization_int4_from_fp8_block_checkpoint(fp8_checkpoint, monkeypatch
     results = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     for prompt, result in zip(PROMPTS, results):
         assert result.token_ids == hf_greedy(oracle_dir, prompt, 10)
+
+
+def test_fp8_block_weights_with_tensor_parallelism_give_the_tokens_of_one_rank(fp8_checkpoint):
+    """Each TP rank dequantizes its slice with the blocks it starts in (k/v slices of 48 rows start mid-block)."""
+    from test_distributed import run_layouts
+
+    fp8_dir, _ = fp8_checkpoint
+    one, tp = run_layouts(fp8_dir, [{"dtype": "float32"}, {"dtype": "float32", "tensor_parallel_size": 2}])
+    assert tp == one
+
+
+def test_a_slice_is_dequantized_with_the_scales_of_its_own_blocks():
+    gen = torch.Generator().manual_seed(0)
+    weight, scale_inv = fp8_block_quantize(torch.randn(300, 260, generator=gen), gen)
+    whole = dequantize_fp8_blocks(weight, scale_inv, (BLOCK, BLOCK))
+    part = dequantize_fp8_blocks(weight[100:250, 70:200], scale_inv, (BLOCK, BLOCK), (100, 70))
+    assert torch.equal(part, whole[100:250, 70:200])

@@ -19,16 +19,16 @@ from kv_fault_harness import (
 )
 
 from hearth.engine.config import EngineConfig
-from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR, without_rows
+from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR
 from hearth.engine.request import Request
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.scheduler import ScheduledRequest as Row
-from hearth.engine.step_input import StepInputBuilder
 from hearth.kv.allocator import PageAllocator
 from hearth.kv.faults import KVFaultInjector, parse_faults
 from hearth.kv.integrity import PADDING_TAG, BatchedPageTagCheck, NoPageTagCheck
 from hearth.kv.manager import KVCacheManager
 from hearth.ops import cpu_kernels
+from tests.test_persistent_batch import flatten
 
 PAGE_SIZE = 4
 
@@ -93,7 +93,7 @@ def check_path(request, monkeypatch):
 
 def test_matching_tables_pass_and_padding_is_never_compared(check_path):
     batch = mixed_batch()
-    step = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build(batch)
+    step = flatten(check_page_tags=True, rows=batch)
     assert PADDING_TAG in step.page_tags  # the decode row's table is padded to the chunk's width
     assert check(step, pool_tags_for(batch)) == []
 
@@ -109,7 +109,7 @@ def test_matching_tables_pass_and_padding_is_never_compared(check_path):
 )
 def test_a_reused_page_fails_exactly_its_row(row, page_index, what, check_path):
     batch = mixed_batch()
-    step = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build(batch)
+    step = flatten(check_page_tags=True, rows=batch)
     tags = pool_tags_for(batch)
     page = batch[row].request.page_ids[page_index]
     tags[page] = 999  # handed to another request meanwhile
@@ -126,17 +126,17 @@ def test_swapped_entries_are_caught_because_no_two_allocations_share_a_tag(check
     assert len(set(request.page_generations)) == 3
     tags = torch.tensor(allocator.generations)
     request.page_ids[0], request.page_ids[2] = request.page_ids[2], request.page_ids[0]
-    step = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build([Row(request, 1)])
+    step = flatten(check_page_tags=True, rows=[Row(request, 1)])
     assert sorted(m.page_index for m in check(step, tags)) == [0, 2]
 
 
 def test_the_no_op_tracker_compares_nothing(check_path):
     batch = mixed_batch()
-    step = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build(batch)
+    step = flatten(check_page_tags=True, rows=batch)
     assert (
         NoPageTagCheck().check(torch.zeros(16, dtype=torch.int64), step.page_table, 3, step.page_tags) == []
     )
-    unchecked = StepInputBuilder(PAGE_SIZE).build(batch)
+    unchecked = flatten(batch)
     assert unchecked.page_tags == []
     assert BatchedPageTagCheck().check(torch.zeros(16, dtype=torch.int64), unchecked.page_table, 3, []) == []
 
@@ -179,27 +179,6 @@ def test_the_compiled_check_reports_an_id_outside_the_pool_without_reading_it(ch
     assert (mismatch.expected_tag, mismatch.found_tag) == (8, PADDING_TAG)
     with pytest.raises(TypeError):  # the lists must hold ints
         cpu_kernels.check_page_tags_kernel()(pool, [0, "1"], [5, 6], PADDING_TAG)
-
-
-# ---- cutting failing rows out of a step ---------------------------------------------------------------
-
-
-def test_without_rows_keeps_the_other_rows_exactly():
-    batch = mixed_batch()
-    step = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build(batch)
-    step.bitmask_rows = [1, 3]  # grammar masks on the last chunk's logits and the draft row's first draft
-    step.bitmask = b"AAAA" + b"BBBB"
-    kept, kept_sampling = without_rows(step, {1, 3})
-    alone = StepInputBuilder(PAGE_SIZE, check_page_tags=True).build([batch[0], batch[2]])
-    for name in ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "logits_indices"):
-        assert getattr(kept, name) == getattr(alone, name), name
-    assert kept.num_decode_rows == 1
-    width = step.page_table_width
-    assert kept.page_table == step.page_table[:width] + step.page_table[2 * width : 3 * width]
-    assert kept.page_tags == step.page_tags[:width] + step.page_tags[2 * width : 3 * width]
-    assert [row.request_id for row in kept.sampling] == ["decode", "last"]
-    assert kept_sampling == [0, 1]
-    assert kept.bitmask_rows == [1] and kept.bitmask == b"AAAA"
 
 
 # ---- fault injection and release by (page, tag) -------------------------------------------------------
@@ -448,3 +427,21 @@ def test_tiny_model_under_faults_never_returns_a_wrong_token_and_does_without_th
     assert verdicts[True].num_correct + verdicts[True].num_error == len(prompts)
     assert verdicts[True].num_correct >= 0.5 * len(prompts)
     assert verdicts[False].num_wrong > 0
+
+
+def test_overlapped_steps_with_faults_never_return_a_wrong_token():
+    """Overlap scheduling over the delta protocol: a continued row whose previous row failed the check (and
+    went back to recompute) has its request re-sent, so the worker's tokens never drift from the core's;
+    the continued row's own failure is not handled a second time."""
+    engine = hash_engine(num_pages=80, max_num_seqs=8, async_scheduling=True)
+    injector = inject_faults(engine, {"early_free": 0.05, "table_swap": 0.03}, seed=7)
+    prompts = random_prompts(80, 5, 3, 30, HASH_VOCAB, shared_prefixes=6, prefix_len=10)
+    answers = drive(engine, prompts, 12, window=8)  # no queue: decode steps continue into the next
+    verdict = judge(answers, {rid: hash_greedy(prompt, 12) for rid, prompt in prompts.items()})
+    assert engine.runner.overlaps and engine.num_overlapped_steps > 0
+    assert sum(injector.counts().values()) > 10 and engine.integrity.num_recomputed > 0
+    assert verdict.num_wrong == 0, verdict.wrong_request_ids[:5]
+    assert verdict.num_correct + verdict.num_error == verdict.num_requests  # errors: failed twice
+    assert verdict.num_correct > verdict.num_requests // 2
+    engine.close()
+    assert engine.kv.num_available_pages == engine.kv.num_pages  # nothing leaked

@@ -5,12 +5,11 @@ runs its micro-batches in turn with nothing to send)."""
 from __future__ import annotations
 
 import torch
-from test_worker import PAGE_SIZE, Requests, advance
+from test_worker import PAGE_SIZE, Requests, advance, flatten_rows
 
 from hearth import LLM
 from hearth.engine.ranks.microbatch import forward_micro_batches, micro_batch_rows, sub_step
 from hearth.engine.scheduler import ScheduledRequest as Row
-from hearth.engine.step_input import StepInputBuilder
 
 
 def test_rows_are_cut_into_consecutive_parts_of_about_equal_tokens():
@@ -30,8 +29,7 @@ def test_a_sub_step_keeps_its_rows_tokens_pages_and_sampling_rows():
     a = requests.new("a", list(range(1, 11)))
     b = requests.new("b", list(range(20, 26)))
     c = requests.new("c", list(range(30, 35)))
-    builder = StepInputBuilder(PAGE_SIZE, check_page_tags=True)
-    step = builder.build([Row(a, 10), Row(b, 6), Row(c, 5)])
+    step = flatten_rows([Row(a, 10), Row(b, 6), Row(c, 5)], check_page_tags=True)
     first, second = (sub_step(step, rows) for rows in micro_batch_rows(step.query_start_loc, 2))
     assert first.token_ids == list(range(1, 11)) and first.query_start_loc == [0, 10]
     assert second.token_ids == list(range(20, 26)) + list(range(30, 35))
@@ -51,12 +49,11 @@ def test_micro_batched_logits_are_the_whole_steps(tiny_model_factory):
         Row(requests.new(f"r{i}", [(7 * i + j) % 500 + 1 for j in range(3 + 2 * i)]), 3 + 2 * i)
         for i in range(6)
     ]
-    builder = StepInputBuilder(PAGE_SIZE)
-    whole = worker.forward(builder.build(rows))
+    whole = worker.forward(flatten_rows(rows))
     advance(rows)
     for row in rows:  # the KV written by the whole step is the same the cut steps write again
         row.request.num_computed_tokens = 0
-    cut = forward_micro_batches(worker._forward_one, builder.build(rows), 4)
+    cut = forward_micro_batches(worker._forward_one, flatten_rows(rows), 4)
     assert cut.shape == whole.shape == (6, whole.shape[1])
     torch.testing.assert_close(cut, whole, rtol=1e-5, atol=1e-5)
     # Decode rows after the prompts: one token each, cut in four parts.
@@ -65,6 +62,6 @@ def test_micro_batched_logits_are_the_whole_steps(tiny_model_factory):
         row.request.token_ids.append(i + 40)
         requests.grow(row.request, len(row.request.token_ids))
     decode = [Row(row.request, 1) for row in rows]
-    whole = worker.forward(builder.build(decode))
-    cut = forward_micro_batches(worker._forward_one, builder.build(decode), 4)
+    whole = worker.forward(flatten_rows(decode))
+    cut = forward_micro_batches(worker._forward_one, flatten_rows(decode), 4)
     torch.testing.assert_close(cut, whole, rtol=1e-5, atol=1e-5)

@@ -19,6 +19,7 @@ from hearth.engine.structured_output import StructuredOutput
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO = REPO_ROOT / "models" / "demo"
 DEMO_DRAFT = REPO_ROOT / "models" / "demo-draft"
+DEMO_EAGLE3 = REPO_ROOT / "models" / "demo-eagle3"
 
 SCHEMA = {
     "type": "object",
@@ -203,3 +204,43 @@ def test_demo_model_tool_calls_are_unchanged(method):
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert "get_weather" in expected[0].text
     assert llm.engine.speculator.stats.num_accepted_tokens > 0
+
+
+# ---- with tensor and pipeline parallelism -----------------------------------------------------------------
+
+
+def test_proposers_with_tensor_and_pipeline_parallelism_give_the_tokens_of_one_rank():
+    """Draft, n-gram and EAGLE-3 under TP=2 (and draft under PP=2): the greedy tokens of one rank without
+    speculation, and drafts were really proposed (the proposer's model runs whole on rank 0)."""
+    from test_distributed import run_layouts
+
+    repeat = [5, 17, 33, 5, 17, 33, 5, 17, 33, 5, 17]  # n-gram finds its continuation in the prompt
+    prompts = [[1, 5, 9, 33, 100, 7], list(range(40, 90)), repeat]
+    spec = {"num_speculative_tokens": 3, "speculative_max_batch_size": 8, "dtype": "float32"}
+    layouts = [
+        {"dtype": "float32"},
+        {
+            "tensor_parallel_size": 2,
+            "speculative_method": "draft",
+            "speculative_model": str(DEMO_DRAFT),
+            **spec,
+        },
+        {"tensor_parallel_size": 2, "speculative_method": "ngram", **spec},
+        {
+            "tensor_parallel_size": 2,
+            "speculative_method": "eagle3",
+            "speculative_model": str(DEMO_EAGLE3),
+            **spec,
+        },
+        {
+            "pipeline_parallel_size": 2,
+            "speculative_method": "draft",
+            "speculative_model": str(DEMO_DRAFT),
+            **spec,
+        },
+    ]
+    drafted: list[int] = []
+    expected, *others = run_layouts(DEMO, layouts, prompts=prompts, drafted=drafted)
+    for layout, tokens in zip(layouts[1:], others, strict=True):
+        assert tokens == expected, layout
+    assert drafted[0] == 0 and all(count > 0 for count in drafted[1:]), drafted

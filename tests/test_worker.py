@@ -16,6 +16,12 @@ from hearth.engine.scheduler import ScheduledRequest as Row
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.worker import Worker, kv_layout_for, resolve_device
 from hearth.model.config import ModelConfig
+from tests.test_persistent_batch import flatten
+
+
+def flatten_rows(rows, check_page_tags=False):
+    return flatten(rows, check_page_tags, page_size=PAGE_SIZE)
+
 
 PAGE_SIZE = 4
 
@@ -71,9 +77,8 @@ def test_logits_of_a_mixed_batch_match_transformers(llama):
     a = requests.new("a", [(7 * i + 3) % 500 for i in range(10)])
     b = requests.new("b", [(5 * i + 1) % 500 for i in range(13)])
     c = requests.new("c", [11, 12, 13, 14, 15])
-    builder = StepInputBuilder(PAGE_SIZE)
     first = [Row(a, 10), Row(b, 6), Row(c, 5)]  # b is a mid-prompt chunk: no logits
-    logits = worker.forward(builder.build(first))
+    logits = worker.forward(flatten_rows(first))
     assert logits.shape[0] == 2
     torch.testing.assert_close(logits[0], hf_next_logits(model_dir, a.token_ids), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits[1], hf_next_logits(model_dir, c.token_ids), rtol=1e-4, atol=1e-4)
@@ -81,7 +86,7 @@ def test_logits_of_a_mixed_batch_match_transformers(llama):
     for request in (a, c):
         requests.grow(request, request.num_tokens)
     second = [Row(a, 1), Row(c, 1), Row(b, 7)]  # two decodes, then the rest of b's prompt
-    logits = worker.forward(builder.build(second))
+    logits = worker.forward(flatten_rows(second))
     for row, request in enumerate((a, c, b)):
         torch.testing.assert_close(
             logits[row], hf_next_logits(model_dir, request.token_ids), rtol=1e-4, atol=1e-4
@@ -179,7 +184,7 @@ def test_every_tensor_of_a_step_lives_on_the_worker_device(tiny_model_factory):
     requests = Requests()
     a, b = requests.new("a", [1, 2, 3, 4, 5, 6]), requests.new("b", [7, 8, 9])
     b.num_computed_tokens = 2
-    logits = worker.forward(StepInputBuilder(PAGE_SIZE).build([Row(b, 1), Row(a, 6)]))
+    logits = worker.forward(flatten_rows([Row(b, 1), Row(a, 6)]))
     assert logits.device.type == "meta" and logits.shape == (2, model_config.vocab_size)
     assert worker.kv_pool.storage.device.type == "meta"
 

@@ -45,7 +45,8 @@ SIZE_STEP = 16  # above the small sizes, one graph every 16 rows: at most 15 pad
 
 
 class DecodeStep(Protocol):
-    """The fields of `hearth.engine.step_input.StepInput` a decode graph reads."""
+    """The fields of `hearth.engine.forward_batch.ForwardBatch` (the worker's flattened step) a decode
+    graph reads."""
 
     token_ids: list[int]
     positions: list[int]

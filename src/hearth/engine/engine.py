@@ -190,7 +190,8 @@ class Engine:
         self._in_flight = self._launch_continuation(step.batch) if self.runner.overlaps else None
         step_output = step.result()
         if step.prompt_chunks:
-            prompt_logprobs.collect(step.prompt_chunks, step_output.prompt_logprobs)
+            skipped = {mismatch.row for mismatch in step_output.kv_mismatches}
+            prompt_logprobs.collect(step.prompt_chunks, step_output.prompt_logprobs, skipped)
         outputs = self._process_outputs(step.batch, step_output, step.samples)
         if self.speculator is not None:  # what the step cost decides whether drafts pay at this batch size
             self.speculator.step_finished(step.batch, sum(len(o.new_token_ids) for o in outputs))
@@ -272,6 +273,9 @@ class Engine:
     ) -> list[CoreOutput]:
         """Rows whose pages were not theirs: recomputed (back to waiting) or ended with an error; none of
         this step's tokens is kept for them."""
+        # Overlap scheduling: a launched row of a request that the previous step's check ended or sent back
+        # (or an abort took) keeps none of its tokens anyway, and is not handled twice.
+        mismatches = [m for m in mismatches if batch[m.row].request.status is RequestStatus.RUNNING]
         return [
             self._finish(request, [], None, "error", error=message, error_code=KV_INTEGRITY_ERROR)
             for request, message in self.integrity.handle(batch, mismatches)

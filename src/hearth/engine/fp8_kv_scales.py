@@ -63,7 +63,7 @@ def calibrate_kv_amax(
     model: torch.nn.Module, layout: KVLayout, device: torch.device, token_ids: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (layer, KV head) absolute maxima of the keys and values of one prefill of `token_ids`."""
-    from hearth.engine.step_input import StepInput
+    from hearth.engine.forward_batch import ForwardBatch
     from hearth.ops.attention import AttentionContext
     from hearth.ops.attention.torch_ref import TorchRefBackend
 
@@ -75,7 +75,7 @@ def calibrate_kv_amax(
     backend = TorchRefBackend(
         device=device, page_size=page_size, max_num_seqs=1, max_pages_per_seq=num_pages, dtype=torch.float32
     )
-    step = StepInput(
+    step = ForwardBatch(
         token_ids=token_ids,
         positions=list(range(num_tokens)),
         query_start_loc=[0, num_tokens],

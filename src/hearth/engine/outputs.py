@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
+from hearth.contracts.step import TokenLogprob
+
+__all__ = ["FinishReason", "RequestOutput", "TokenLogprob"]
+
 FinishReason = Literal["stop", "length", "abort", "error"]
-
-
-@dataclass
-class TokenLogprob:
-    """The logprob of one sampled token, and the `top` most likely alternatives (id, logprob)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-    rank: int | None = None  # prompt logprobs: 1 + the tokens more likely than this one
 
 
 @dataclass

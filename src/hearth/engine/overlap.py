@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hearth.engine.request import Request, RequestStatus
+from hearth.contracts.step import StepInput
+from hearth.engine.request import RequestStatus
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
-from hearth.engine.step_input import StepInput, StepInputBuilder, StepSamplingRow
-from hearth.kv.integrity import PADDING_TAG
+from hearth.engine.step_input import StepInputBuilder
 from hearth.kv.manager import KVCacheManager
 
 
@@ -95,56 +95,17 @@ def continuation(
     """The next step of a `continues` batch, built before its tokens are known (None: no free page for a
     row's next slot; pages already taken for other rows stay with their requests, which use them next).
     A request whose token at N is its last (max_tokens) gets no row: it surely ends there."""
-    page_size = kv.page_size
     previous_rows = [
         index
         for index, item in enumerate(batch)
         if len(item.request.output_token_ids) + 1 < item.request.max_output_tokens
     ]
-    rows = [batch[index].request for index in previous_rows]
+    rows = [ScheduledRequest(batch[index].request, 1) for index in previous_rows]
     if not rows:
         return None
-    for request in rows:  # the slot after the row's token: position num_computed_tokens + 1
-        if not kv.allocate_slots(request, 2):
+    for item in rows:  # the slot after the row's token: position num_computed_tokens + 1
+        if not kv.allocate_slots(item.request, 2):
             return None
     builder.pages_allocated(*kv.take_allocated())
-    positions = [request.num_computed_tokens + 1 for request in rows]
-    tables = [request.page_ids[: position // page_size + 1] for request, position in zip(rows, positions)]
-    width = max(len(pages) for pages in tables)
-    page_table: list[int] = []
-    page_tags: list[int] = []
-    for request, pages in zip(rows, tables):
-        page_table += pages + [0] * (width - len(pages))
-        if builder.check_page_tags:
-            page_tags += request.page_generations[: len(pages)] + [PADDING_TAG] * (width - len(pages))
-    finished, tag_page_ids, tag_values = builder.take_between_steps()
-    step = StepInput(
-        token_ids=[0] * len(rows),  # the worker puts the previous step's tokens here
-        positions=positions,
-        query_start_loc=list(range(len(rows) + 1)),
-        seq_lens=[position + 1 for position in positions],
-        num_decode_rows=len(rows),
-        page_table=page_table,
-        page_table_width=width,
-        slot_mapping=[
-            request.page_ids[position // page_size] * page_size + position % page_size
-            for request, position in zip(rows, positions)
-        ],
-        logits_indices=list(range(len(rows))),
-        sampling=[_sampling_row(request) for request in rows],
-        page_tags=page_tags,
-        tag_page_ids=tag_page_ids,
-        tag_values=tag_values,
-        finished_request_ids=finished,
-        previous_rows=previous_rows,
-    )
-    return [ScheduledRequest(request, 1) for request in rows], step
-
-
-def _sampling_row(request: Request) -> StepSamplingRow:
-    # One more output token than now: the previous step's, appended before this step's output is read.
-    return StepSamplingRow(
-        request_id=request.request_id,
-        params=request.params,
-        num_output_tokens=len(request.output_token_ids) + 1,
-    )
+    # Each row one position further, its token appended by the workers from their previous output.
+    return rows, builder.build(rows, previous_rows=previous_rows)

@@ -3,8 +3,10 @@ given the tokens before it, and the top-k alternatives at each position.
 
 Kept apart from the step loop so it can be re-applied on any step/worker layout (issue 27):
 - engine side, `plan`: after the step is built, the positions of each prefill chunk whose next token is a
-  prompt token become extra logits rows (`StepInput.prompt_logits_indices`), with the token each predicts;
-- worker side, `compute`: the log-softmax of those rows (the raw logits, as vLLM reports), gathered;
+  prompt token are added to it per row (`StepInput.prompt_logprob_rows`/`_starts`/`_counts`);
+- worker side: its persistent batch turns them into extra logits rows of the flat batch with the prompt
+  token each predicts (`ForwardBatch.prompt_logits_indices`, dropping rows that fail the integrity check),
+  and `compute` takes the log-softmax of those rows (the raw logits, as vLLM reports), gathered;
 - engine side, `collect`: each request's entries, appended in position order on the request, sent once
   with its first output.
 
@@ -22,14 +24,14 @@ import torch
 from hearth.engine.outputs import TokenLogprob
 
 if TYPE_CHECKING:
+    from hearth.contracts.step import StepInput
     from hearth.engine.request import Request
     from hearth.engine.scheduler import ScheduledRequest
-    from hearth.engine.step_input import StepInput
 
 # Rows of log-softmax at a time: a 2k-token chunk over a 150k vocabulary would otherwise be 1.2 GB at once.
 _BLOCK_ROWS = 256
 
-PromptPlan = list[tuple["Request", int, int]]  # (request, first prompt position, entries) per chunk
+PromptPlan = list[tuple[int, "Request", int, int]]  # (step row, request, first prompt position, entries)
 
 
 def wants_prompt_logprobs(request: Request) -> bool:
@@ -39,10 +41,6 @@ def wants_prompt_logprobs(request: Request) -> bool:
 def plan(step: StepInput, scheduled: Sequence[ScheduledRequest]) -> PromptPlan:
     """Adds the prompt positions of this step's chunks to `step`; what `collect` needs to file the results."""
     chunks: PromptPlan = []
-    indices: list[int] = []
-    targets: list[int] = []
-    num_top = 0
-    starts = step.query_start_loc
     for row, item in enumerate(scheduled):
         request = item.request
         if request.params.prompt_logprobs is None or request.prompt_logprobs_sent:
@@ -53,23 +51,22 @@ def plan(step: StepInput, scheduled: Sequence[ScheduledRequest]) -> PromptPlan:
         first = max(start, len(request.prompt_logprobs))  # a recomputed chunk adds only what is missing
         if first >= end:
             continue
-        base = starts[row] - start
-        indices.extend(range(base + first, base + end))
-        targets.extend(request.prompt_token_ids[first + 1 : end + 1])
-        num_top = max(num_top, request.params.prompt_logprobs)
-        chunks.append((request, first, end - first))
-    step.prompt_logits_indices = indices
-    step.prompt_logprob_token_ids = targets
-    step.prompt_logprob_top = num_top
+        chunks.append((row, request, first, end - first))
+    step.prompt_logprob_rows = [row for row, _, _, _ in chunks]
+    step.prompt_logprob_starts = [first for _, _, first, _ in chunks]
+    step.prompt_logprob_counts = [count for _, _, _, count in chunks]
     return chunks
 
 
-def collect(chunks: PromptPlan, entries: list[TokenLogprob] | None) -> None:
-    """Files the worker's entries (in plan order) on their requests."""
+def collect(chunks: PromptPlan, entries: list[TokenLogprob] | None, skipped_rows: set[int]) -> None:
+    """Files the worker's entries (in plan order, none for `skipped_rows`: those that failed the integrity
+    check) on their requests."""
     if not chunks or entries is None:
         return
     offset = 0
-    for request, first, count in chunks:
+    for row, request, first, count in chunks:
+        if row in skipped_rows:
+            continue
         if first == len(request.prompt_logprobs):
             request.prompt_logprobs.extend(entries[offset : offset + count])
         offset += count

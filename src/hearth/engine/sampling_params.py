@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hearth.contracts.sampling import SamplerParams
 from hearth.engine.structured_output import StructuredOutput
 
 
@@ -58,6 +59,25 @@ class SamplingParams:
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+
+    def sampler_params(self) -> SamplerParams:
+        """What a worker's sampler needs of these parameters (sent to the workers once per request)."""
+        return SamplerParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            min_tokens=self.min_tokens,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
     @property
     def greedy(self) -> bool:

@@ -1,8 +1,9 @@
 """The worker: one rank's device, model, KV pool, attention backend and sampler. `StepInput` in, tokens out.
 
 The engine (scheduler, KV bookkeeping, grammar state) never touches a tensor; the worker never sees a
-request object. Per-request state the worker keeps (seeded random generators) is dropped when a step
-names the request in `finished_request_ids`.
+request object. It keeps a persistent batch (`hearth.engine.persistent_batch`: per request its tokens,
+sampler parameters and page table) that each step's deltas update, and per-request seeded random
+generators; all of a request's state is dropped when a step names its slot in `finished_slots`.
 
 Rows with draft tokens: a row with k drafts has 1 + k logits positions, each processed with the row's
 parameters (penalties and min_tokens counting the drafts before it). A greedy row keeps the longest run
@@ -17,22 +18,21 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
-import msgspec
 import torch
 
+from hearth.contracts.step import PageTagMismatch, StepInput, StepOutput, TokenLogprob
 from hearth.engine import prompt_logprobs
 from hearth.engine.config import EngineConfig
 from hearth.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_ROWS, DecodeGraphs, wants_decode_graphs
+from hearth.engine.forward_batch import ForwardBatch, StepSamplingRow
 from hearth.engine.fp8_kv_scales import init_fp8_kv_scales
-from hearth.engine.kv_integrity import without_rows
-from hearth.engine.outputs import TokenLogprob
+from hearth.engine.persistent_batch import FlatBatch, PersistentBatch
 from hearth.engine.ranks.microbatch import forward_micro_batches, resolve_micro_batches
 from hearth.engine.ranks.pipeline import stage_layers
 from hearth.engine.sampler import Sampler, SamplingRow, make_generator
 from hearth.engine.speculative.rejection import rejection_sample
-from hearth.engine.step_input import StepInput, StepSamplingRow
 from hearth.engine.structured_output import apply_bitmask
-from hearth.kv.integrity import PageTagMismatch, make_page_tag_check
+from hearth.kv.integrity import make_page_tag_check
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
 from hearth.model.config import ModelConfig
 from hearth.model.loader import load_model
@@ -46,17 +46,7 @@ from hearth.parallel.topology import rank_kv_heads
 logger = logging.getLogger("hearth.worker")
 
 
-class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Per sampled row of the step, in `StepInput.sampling` order: the tokens it keeps (one for a row
-    without drafts, 1..1+k for a row with k), and their logprobs when any row of the step asked for them
-    (an empty list for rows that did not)."""
-
-    sampled_token_ids: list[list[int]]
-    logprobs: list[list[TokenLogprob]] | None = None
-    # Page table entries that failed the integrity check; their rows did not run (an empty token list).
-    kv_mismatches: list[PageTagMismatch] = []
-    # One entry per `StepInput.prompt_logits_indices` row (hearth.engine.prompt_logprobs).
-    prompt_logprobs: list[TokenLogprob] | None = None
+__all__ = ["StepOutput", "Worker", "kv_layout_for", "resolve_device"]
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -131,6 +121,13 @@ class Worker:
             quantization=quantization,
             quant_config=quant_config,
         )
+        if config.speculative_method == "eagle3" and config.speculative_model is not None:
+            # Every rank runs the layers the same way (the last layer over every row when its output is
+            # captured), so the collectives of all ranks agree; the head itself runs on rank 0.
+            from hearth.model.eagle3 import Eagle3Config
+
+            head = Eagle3Config.from_dir(config.speculative_model, model_config.num_layers)
+            self.model.aux_hidden_layers = head.aux_layer_ids
         layout = dataclasses.replace(layout, num_layers=len(stage))
         backend_cls = select_backend(self.device)
         # [i31] Decode CUDA graphs: their padding rows use one scratch page past the cache manager's.
@@ -149,6 +146,7 @@ class Worker:
             )
             logger.info("FP8 KV cache: per (layer, KV head) scales from %s", source)
         self.page_tag_check = make_page_tag_check(config.kv_integrity)
+        self.batch = PersistentBatch(layout.page_size, check_page_tags=config.kv_integrity)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
         max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
         self.attention: AttentionBackend = backend_cls(
@@ -164,7 +162,7 @@ class Worker:
         self.sampler = Sampler(sample_vocab_size, set(eos_token_ids))
         self._generators: dict[str, torch.Generator] = {}
         # Called with each step after the model's forward (an EAGLE-3 proposer takes the step's aux hidden states).
-        self.after_forward: Callable[[StepInput], None] | None = None
+        self.after_forward: Callable[[ForwardBatch], None] | None = None
         torch.manual_seed(config.seed)
         self.decode_graphs: DecodeGraphs | None = None  # [i31]
         self._last_sampled: list[list[int]] = []  # [i31] the previous step's tokens, for overlap scheduling
@@ -182,32 +180,29 @@ class Worker:
             quantization,
         )
 
+    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        if step.previous_rows:  # [i31] overlap scheduling: the tokens the last step sampled
-            previous = self._last_sampled
-            step.token_ids = [previous[row][-1] if row < len(previous) and previous[row] else 0
-                              for row in step.previous_rows]  # fmt: skip
         output = self._execute(step)
-        self._last_sampled = output.sampled_token_ids
+        self._last_sampled = output.sampled_token_ids  # [i31] overlap: the next step may continue its rows
         return output
 
-    @torch.inference_mode()
     def _execute(self, step: StepInput) -> StepOutput:
-        for request_id in step.finished_request_ids:
+        for request_id in self.batch.apply(step, self._last_sampled):
             self._generators.pop(request_id, None)
         if step.tag_page_ids:
             self.kv_pool.set_page_tags(step.tag_page_ids, step.tag_values)
-        if not step.token_ids:
+        if not step.slots:
             return StepOutput([])
+        flat = self.batch.flatten(step)
         # Before anything reads or writes the cache: a row whose pages are no longer its own must not run.
         mismatches = self.page_tag_check.check(
-            self.kv_pool.page_tags, step.page_table, step.page_table_width, step.page_tags
+            self.kv_pool.page_tags, flat.page_table, flat.page_table_width, flat.page_tags
         )
         if mismatches:
-            return self._run_without(step, mismatches)
-        return self._run(step)
+            return self._run_without(step, len(flat.sampling), mismatches)
+        return self._run(flat)
 
-    def _run(self, step: StepInput) -> StepOutput:
+    def _run(self, step: ForwardBatch) -> StepOutput:
         logits = self.forward(step)
         prompt_entries = None
         if step.prompt_logits_indices and logits is not None:  # issue 27: prompt logprobs, split off first
@@ -220,9 +215,8 @@ class Worker:
             )
             logits = logits[:num_sampled]
         if logits is None or not step.sampling or not self.is_sampling_rank:
-            return StepOutput(
-                [], prompt_logprobs=prompt_entries
-            )  # another rank samples (hearth.engine.ranks.executor)
+            # Another rank samples (see hearth.engine.ranks.executor).
+            return StepOutput([], prompt_logprobs=prompt_entries)
         if step.bitmask_rows:
             words = torch.frombuffer(bytearray(step.bitmask), dtype=torch.int32)
             apply_bitmask(logits, step.bitmask_rows, words.view(len(step.bitmask_rows), -1))
@@ -230,32 +224,37 @@ class Worker:
         output.prompt_logprobs = prompt_entries
         return output
 
-    def _run_without(self, step: StepInput, mismatches: list[PageTagMismatch]) -> StepOutput:
-        """The step without the failing rows; their sampling rows get no tokens."""
-        kept, kept_sampling = without_rows(step, {mismatch.row for mismatch in mismatches})
+    def _run_without(
+        self, step: StepInput, num_sampled: int, mismatches: list[PageTagMismatch]
+    ) -> StepOutput:
+        """The step with the failing rows masked out; their sampling rows get no tokens."""
+        kept: FlatBatch = self.batch.flatten(step, frozenset(mismatch.row for mismatch in mismatches))
         output = self._run(kept) if kept.token_ids else StepOutput([])
-        if len(output.sampled_token_ids) != len(kept_sampling):  # a rank that does not sample
-            return StepOutput([], None, mismatches)
-        sampled: list[list[int]] = [[] for _ in step.sampling]
-        logprobs: list[list[TokenLogprob]] | None = [[] for _ in step.sampling] if output.logprobs else None
-        for index, tokens in zip(kept_sampling, output.sampled_token_ids, strict=True):
+        if len(output.sampled_token_ids) != len(kept.kept_sampling):  # a rank that does not sample
+            return StepOutput([], None, mismatches, prompt_logprobs=output.prompt_logprobs)
+        sampled: list[list[int]] = [[] for _ in range(num_sampled)]
+        logprobs: list[list[TokenLogprob]] | None = (
+            [[] for _ in range(num_sampled)] if output.logprobs else None
+        )
+        for index, tokens in zip(kept.kept_sampling, output.sampled_token_ids, strict=True):
             sampled[index] = tokens
         if logprobs is not None and output.logprobs is not None:
-            for index, row_logprobs in zip(kept_sampling, output.logprobs, strict=True):
+            for index, row_logprobs in zip(kept.kept_sampling, output.logprobs, strict=True):
                 logprobs[index] = row_logprobs
-        return StepOutput(sampled, logprobs, mismatches)
+        return StepOutput(sampled, logprobs, mismatches, prompt_logprobs=output.prompt_logprobs)
 
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> torch.Tensor | None:
+    def forward(self, step: ForwardBatch) -> torch.Tensor | None:
         """float32 logits `[len(step.logits_indices), vocab]` (the KV of the step's tokens is written);
         None on a pipeline stage other than the last."""
         if parallel_state().pp_size > 1:
             return forward_micro_batches(self._forward_one, step, self.micro_batches)
         return self._forward_one(step)
 
-    def _forward_one(self, step: StepInput) -> torch.Tensor | None:
-        if self.decode_graphs is not None and self.after_forward is None:  # [i31] replay a captured step
-            logits = self.decode_graphs.run(step)
+    def _forward_one(self, step: ForwardBatch) -> torch.Tensor | None:
+        graphs = self.decode_graphs
+        if graphs is not None and self.after_forward is None and not step.prompt_logits_indices:
+            logits = graphs.run(step)  # [i31] a captured plain decode step (None: this one runs eagerly)
             if logits is not None:
                 return logits
         num_tokens = len(step.token_ids)
@@ -309,6 +308,19 @@ class Worker:
         """Greedy rows and rows without drafts go through the sampler in one batch (a greedy row keeps the run
         of drafts that agree with its argmax: exact); sampled rows with drafts are verified by rejection
         sampling, which keeps the target's distribution (`hearth.engine.speculative.rejection`)."""
+        if all(
+            not row.draft_token_ids
+            and row.params.logprobs is None
+            and row.params.greedy
+            and not row.params.needs_penalties
+            and not row.params.logit_bias
+            and row.num_output_tokens >= row.params.min_tokens
+            for row in sampling
+        ):  # the common decode step: the sampler's own shortcut, without building its rows
+            scores = logits[:, : self.sampler.vocab_size]
+            # NumPy's argmax is ~10x torch's on the CPU (one thread) and picks the same (first) index on ties.
+            best = scores.numpy().argmax(axis=-1) if scores.device.type == "cpu" else scores.argmax(dim=-1)
+            return StepOutput([[token] for token in best.tolist()])
         rows: list[SamplingRow] = []  # the batched sampler's rows, one per logits position it samples
         plain_positions: list[int] = []
         verified: dict[int, tuple[list[int], list[TokenLogprob] | None]] = {}

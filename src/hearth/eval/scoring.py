@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hearth.engine.forward_batch import ForwardBatch
 from hearth.engine.llm import LLM
-from hearth.engine.step_input import StepInput
 
 
 def text_logprobs(llm: LLM, token_ids: list[int], chunk_tokens: int | None = None) -> torch.Tensor:
@@ -41,7 +41,7 @@ def text_logprobs(llm: LLM, token_ids: list[int], chunk_tokens: int | None = Non
         wanted = [i - start for i in range(start, min(end, n - 1))]  # row t predicts token t + 1
         if not wanted:
             wanted = [end - 1 - start]  # the last chunk may hold only the last token: nothing to score
-        step = StepInput(
+        step = ForwardBatch(
             token_ids=list(token_ids[start:end]),
             positions=list(range(start, end)),
             query_start_loc=[0, end - start],

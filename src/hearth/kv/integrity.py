@@ -18,29 +18,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import msgspec
 import numpy as np
 import torch
 
+from hearth.contracts.step import PageTagMismatch
 from hearth.ops import cpu_kernels
 
 # Expected tag of a page table's padding entries (the allocator's tags start at 1): never compared.
 PADDING_TAG = -1
-
-
-class PageTagMismatch(msgspec.Struct, array_like=True):
-    """One page table entry whose page does not carry the tag the row expects.
-
-    `row` is the step row, `page_index` the entry's place in the row's table (its logical page),
-    `page_id` the physical page it names, `expected_tag` what the request recorded, `found_tag` the pool's
-    (`PADDING_TAG` when `page_id` names no page of the pool at all).
-    """
-
-    row: int
-    page_index: int
-    page_id: int
-    expected_tag: int
-    found_tag: int
 
 
 class PageTagCheck(Protocol):

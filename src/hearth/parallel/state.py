@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +76,19 @@ _PENDING_SENDS: list[tuple[object, torch.Tensor]] = []  # (work, the buffer it r
 
 def parallel_state() -> ParallelState:
     return _STATE
+
+
+@contextmanager
+def single_rank() -> Iterator[None]:
+    """Within: this process acts as a deployment of one rank (no collectives), for a model that lives whole
+    on this rank beside its shard of the target (a proposer's draft model or head on rank 0)."""
+    global _STATE, _TP_GROUP, _EP_GROUP
+    saved = _STATE, _TP_GROUP, _EP_GROUP
+    _STATE, _TP_GROUP, _EP_GROUP = ParallelState(), None, None
+    try:
+        yield
+    finally:
+        _STATE, _TP_GROUP, _EP_GROUP = saved
 
 
 def set_parallel_state(

@@ -30,10 +30,10 @@ from typing import Any
 import msgspec
 import torch
 
+from hearth.contracts.step import StepInput, StepOutput
 from hearth.engine.config import EngineConfig
 from hearth.engine.ranks.step_channel import CoreChannel, channel_kind, core_channel
-from hearth.engine.step_input import StepInput
-from hearth.engine.worker import StepOutput, Worker, kv_layout_for, resolve_device
+from hearth.engine.worker import Worker, kv_layout_for, resolve_device
 from hearth.model.config import ModelConfig
 from hearth.parallel.channel import broadcast_bytes
 from hearth.parallel.groups import init_rank

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from hearth.engine.step_input import StepInput
+from hearth.engine.forward_batch import ForwardBatch
 from hearth.parallel.state import PIPELINE_TIME_S, wait_for_sends
 
 
@@ -53,7 +53,7 @@ def micro_batch_rows(query_start_loc: list[int], num_micro_batches: int) -> list
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def sub_step(step: StepInput, rows: range) -> StepInput:
+def sub_step(step: ForwardBatch, rows: range) -> ForwardBatch:
     """Rows `rows` of `step` as a step of their own, for the forward pass only: the grammar masks, the page
     tags to set and the finished requests stay with the whole step (applied before / after the forward)."""
     a, b = rows.start, rows.stop
@@ -70,7 +70,7 @@ def sub_step(step: StepInput, rows: range) -> StepInput:
         if first <= position < last:
             sampling.append(row)
         position += row.num_logits
-    return StepInput(
+    return ForwardBatch(
         token_ids=step.token_ids[t0:t1],
         positions=step.positions[t0:t1],
         query_start_loc=[start - t0 for start in starts[a : b + 1]],
@@ -86,7 +86,7 @@ def sub_step(step: StepInput, rows: range) -> StepInput:
 
 
 def forward_micro_batches(
-    forward: Callable[[StepInput], torch.Tensor | None], step: StepInput, num_micro_batches: int
+    forward: Callable[[ForwardBatch], torch.Tensor | None], step: ForwardBatch, num_micro_batches: int
 ) -> torch.Tensor | None:
     """`forward` (one stage's model forward over one step) over the step's micro-batches, in order; the
     last stage's logits of every micro-batch concatenated (None on the other stages)."""

@@ -18,9 +18,9 @@ import time
 
 import msgspec
 
+from hearth.contracts.step import StepInput
 from hearth.engine.ranks.executor import WorkerSpec, build_worker
 from hearth.engine.ranks.step_channel import rank_channel
-from hearth.engine.step_input import StepInput
 from hearth.engine.worker import resolve_device
 from hearth.parallel.channel import broadcast_bytes
 from hearth.parallel.groups import init_rank

@@ -27,6 +27,7 @@ from hearth.engine.speculative.proposer import ProposalRequest, Proposer
 from hearth.engine.speculative.registry import register_proposer
 from hearth.kv.manager import KVCacheManager
 from hearth.model.config import ModelConfig, ModelLoadError
+from hearth.parallel.state import single_rank
 
 logger = logging.getLogger("hearth.spec")
 
@@ -77,6 +78,10 @@ class DraftModelProposer(Proposer):
         self._lean_sequences.pop(request_id, None)
 
     def propose(self, batch: list[ProposalRequest]) -> list[list[int]]:
+        with single_rank():  # the draft model is whole on this rank, whatever the target's parallelism
+            return self._propose(batch)
+
+    def _propose(self, batch: list[ProposalRequest]) -> list[list[int]]:
         if self._try_lean and self.lean is None and LeanDraftRunner.kernels_ready():
             self._try_lean = False
             self.lean = LeanDraftRunner.build(self.worker.model, self.vocab_size, self.context_window)
@@ -171,20 +176,31 @@ def _build(
             f"--speculative-model {config.speculative_model}: its vocabulary ({draft_config.vocab_size}) is "
             f"smaller than the target's ({sample_vocab_size}); a draft model must share the target's tokenizer"
         )
-    worker_config = dataclasses.replace(config, model=config.speculative_model, speculative_method=None)
+    # With tensor or pipeline parallelism the draft model still lives whole on rank 0, beside its shard of
+    # the target: it needs only token ids, and a small model gains nothing from collectives.
+    worker_config = dataclasses.replace(
+        config,
+        model=config.speculative_model,
+        speculative_method=None,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        pipeline_stage_layers=None,
+        expert_parallel=False,
+    )
     layout = kv_layout_for(worker_config, draft_config, dtype)
     # As many tokens as the target's cache, plus a page per sequence for the drafts past the target's tokens.
     num_draft_pages = num_pages + config.max_num_seqs
-    worker = Worker(
-        worker_config,
-        draft_config,
-        dtype,
-        layout,
-        num_draft_pages,
-        max_model_len + config.num_speculative_tokens,
-        sample_vocab_size,
-        eos_token_ids,
-        device=device,
-    )
+    with single_rank():
+        worker = Worker(
+            worker_config,
+            draft_config,
+            dtype,
+            layout,
+            num_draft_pages,
+            max_model_len + config.num_speculative_tokens,
+            sample_vocab_size,
+            eos_token_ids,
+            device=device,
+        )
     logger.info("draft model %s: %d KV pages", config.speculative_model, num_draft_pages)
     return DraftModelProposer(worker, num_draft_pages, config.page_size, sample_vocab_size)

@@ -20,22 +20,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from hearth.engine.config import EngineConfig
+from hearth.engine.forward_batch import ForwardBatch
 from hearth.engine.request import RequestStatus
 from hearth.engine.scheduler import ScheduledRequest
 from hearth.engine.speculative.paged_rows import decode_rows_first, proposer_step_input
 from hearth.engine.speculative.proposer import ProposalRequest, Proposer
 from hearth.engine.speculative.registry import register_proposer
-from hearth.engine.step_input import StepInput
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.eagle3 import Eagle3Config, Eagle3Head, load_eagle3_head
 from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
+from hearth.parallel.state import parallel_state, single_rank
 
 logger = logging.getLogger("hearth.spec")
 
@@ -117,12 +119,12 @@ class Eagle3Proposer(Proposer):
         self.vocab_size = vocab_size
         self.kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=False)
         self._sequences: dict[str, HeadSequence] = {}
-        self._last_step: tuple[StepInput, torch.Tensor] | None = None
+        self._last_step: tuple[ForwardBatch, torch.Tensor] | None = None
         self._aux_width = 3 * head.config.target_hidden_size
 
     # ---- the target's side ---------------------------------------------------------------------------
 
-    def on_target_forward(self, step: StepInput) -> None:
+    def on_target_forward(self, step: ForwardBatch) -> None:
         aux = self.target_model.aux_hidden
         self._last_step = (step, aux) if aux is not None else None
 
@@ -158,6 +160,10 @@ class Eagle3Proposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: list[ProposalRequest]) -> list[list[int]]:
+        with single_rank():  # the head is whole on this rank, whatever the target's parallelism
+            return self._propose(batch)
+
+    def _propose(self, batch: list[ProposalRequest]) -> list[list[int]]:
         proposals: list[list[int]] = [[] for _ in batch]
         rows: list[tuple[int, HeadSequence, list[int], torch.Tensor]] = []
         wanted = {r.request_id for r in batch}
@@ -251,6 +257,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def load_whole_embedding(model_dir: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Embedding:
+    """The target's whole input embedding table, read from its checkpoint (safetensors)."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in ("model.embed_tokens.weight", "embed_tokens.weight", "model.embed.weight"):
+                if name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    weight = handle.get_tensor(name).to(dtype=dtype, device=device)
+                    return torch.nn.Embedding.from_pretrained(weight, freeze=True)
+    raise ModelLoadError(f"{model_dir}: no embedding table found for the EAGLE-3 head")
+
+
 @register_proposer("eagle3", needs_model=True)
 def _build(
     config: EngineConfig,
@@ -264,11 +283,16 @@ def _build(
     **_context: Any,
 ) -> Eagle3Proposer:
     assert config.speculative_model is not None
-    target_model = getattr(target_worker, "model", None)
+    # Rank 0's worker (the executor's own, under tensor parallelism): its target shard's residual stream is
+    # whole after every layer's all-reduce, so the head reads the aux states here and runs whole on rank 0.
+    worker = getattr(target_worker, "worker", target_worker)
+    target_model = getattr(worker, "model", None)
     if target_model is None or not hasattr(target_model, "aux_hidden_layers"):
+        raise ModelLoadError("--speculative-method eagle3: the target model keeps no aux hidden states")
+    if parallel_state().pp_size > 1:
         raise ModelLoadError(
-            "--speculative-method eagle3 with tensor or pipeline parallelism is not built yet: the head reads "
-            "the target's hidden states in this process"
+            "--speculative-method eagle3 with pipeline parallelism is not built yet: the head reads hidden states "
+            "of layers on other stages (use --speculative-method draft or ngram, or tensor parallelism)"
         )
     head_config = Eagle3Config.from_dir(config.speculative_model, model_config.num_layers)
     if head_config.vocab_size != model_config.vocab_size:
@@ -282,9 +306,13 @@ def _build(
             f"{head_config.target_hidden_size}, the target's are {model_config.hidden_size}"
         )
     max_positions = max_model_len + config.num_speculative_tokens + 1
-    head = load_eagle3_head(
-        config.speculative_model, head_config, target_model.model.embed_tokens, dtype, max_positions, device
-    )
+    embed_tokens = target_model.model.embed_tokens
+    if parallel_state().tp_size > 1:  # the target's table is split over the ranks: the head reads it whole
+        embed_tokens = load_whole_embedding(config.model, dtype, device)
+    with single_rank():
+        head = load_eagle3_head(
+            config.speculative_model, head_config, embed_tokens, dtype, max_positions, device
+        )
     target_model.aux_hidden_layers = head_config.aux_layer_ids
     layout = KVLayout(
         num_layers=1,
@@ -310,7 +338,7 @@ def _build(
     proposer = Eagle3Proposer(
         head, target_model, attention, kv_pool, num_head_pages, config.page_size, sample_vocab_size
     )
-    target_worker.after_forward = proposer.on_target_forward
+    worker.after_forward = proposer.on_target_forward
     logger.info(
         "EAGLE-3 head %s: aux layers %s, draft vocab %d, %d KV pages",
         config.speculative_model,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from hearth.engine.step_input import StepInput
+from hearth.engine.forward_batch import ForwardBatch
 
 
 class PagedSequence(Protocol):
@@ -23,7 +23,7 @@ def decode_rows_first(feeds: Sequence[Sequence[int]]) -> list[int]:
 
 def proposer_step_input(
     rows: Sequence[tuple[PagedSequence, Sequence[int]]], order: Sequence[int], page_size: int
-) -> StepInput:
+) -> ForwardBatch:
     """The rows in `order` as one step (logits at each row's last token, no sampling); advances each
     sequence's `num_computed_tokens` past its feed."""
     token_ids: list[int] = []
@@ -50,7 +50,7 @@ def proposer_step_input(
         logits_indices.append(len(token_ids) - 1)
         sequence.num_computed_tokens = end
     width = max(len(pages) for pages in row_pages)
-    return StepInput(
+    return ForwardBatch(
         token_ids=token_ids,
         positions=positions,
         query_start_loc=query_start_loc,

@@ -30,10 +30,18 @@ if TYPE_CHECKING:
 
 
 def dequantize_fp8_blocks(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    start: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
-    """float32 `[out, in]` from an FP8 `weight` and its per-block `scale_inv`."""
+    """float32 `[out, in]` from an FP8 `weight` and its per-block `scale_inv`. `start`: where `weight` begins
+    in the whole tensor `scale_inv` covers (a tensor-parallel rank's slice need not start on a block)."""
     out, k = weight.shape
+    if start != (0, 0):
+        rows = torch.arange(start[0], start[0] + out) // block[0]
+        cols = torch.arange(start[1], start[1] + k) // block[1]
+        return weight.float() * scale_inv.float()[rows][:, cols]
     scales = (
         scale_inv.float().repeat_interleave(block[0], dim=0)[:out].repeat_interleave(block[1], dim=1)[:, :k]
     )
@@ -73,8 +81,6 @@ class Fp8BlockLinearMethod(QuantizationMethod):
     def create_weights(
         self, layer: Linear, input_size: int, output_size: int, params_dtype: torch.dtype
     ) -> None:
-        if layer.tp.size > 1:
-            raise ModelLoadError("FP8 block weights across tensor-parallel ranks are not supported yet")
         add_param(layer, "weight", (output_size, input_size), torch.float8_e4m3fn, output_dim=0, input_dim=1)
         layer.fp8_block_scales = {}
 
@@ -90,12 +96,15 @@ class Fp8BlockLinearMethod(QuantizationMethod):
         dense = torch.empty(
             weight.shape, dtype=torch.get_default_dtype() if weight.device.type != "cpu" else torch.float32
         )
+        col_start = layer.input_shard[0]  # a tensor-parallel rank holds a slice: its blocks start mid-grid
         for shard_id, shard in layer.output_shards.items():
             scale_inv = layer.fp8_block_scales.get(shard_id)
             if scale_inv is None:
                 raise ModelLoadError(f"FP8 weights: no weight_scale_inv for part {shard_id!r}")
             rows = slice(shard.local_offset, shard.local_offset + shard.size)
-            dense[rows] = dequantize_fp8_blocks(weight[rows], scale_inv, self.block)
+            dense[rows] = dequantize_fp8_blocks(
+                weight[rows], scale_inv, self.block, (shard.source_start, col_start)
+            )
         del layer.weight, layer.weight_scale_inv
         layer.fp8_block_scales = {}
         return dense

@@ -17,7 +17,7 @@ import torch
 
 
 class AttentionStepInput(Protocol):
-    """The fields of `hearth.engine.step_input.StepInput` that attention reads (ops knows nothing of engines)."""
+    """The fields of `hearth.engine.forward_batch.ForwardBatch` that attention reads (ops knows nothing of engines)."""
 
     num_decode_rows: int
     query_start_loc: list[int]

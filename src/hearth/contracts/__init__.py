@@ -1,0 +1,8 @@
+"""Layer 1 (DESIGN.md): the typed, torch-free messages that cross processes and ranks.
+
+- `hearth.contracts.step`: `StepInput` (rank 0 -> every worker: per-step deltas against the workers'
+  persistent batch) and `StepOutput` (the sampling rank -> rank 0: tokens, integrity failures, drafts).
+- `hearth.contracts.sampling`: `SamplerParams`, the part of a request's sampling parameters a worker needs.
+
+Nothing here imports torch or any other Hearth layer: every layer may import this one.
+"""
