@@ -50,13 +50,11 @@ def pair():
     from test_kv_transfer_tcp import make_pool
 
     from hearth.kv_transfer import make_transport
-    from hearth.kv_transfer.connector import pool_sink, wire_layout
+    from hearth.kv_transfer.pool_pages import PoolSink
 
     sender_pool, receiver_pool = make_pool(), make_pool(torch.bfloat16)
-    sender = make_transport("mooncake", wire_layout(sender_pool.layout), b"k", 10.0, pool_sink(sender_pool))
-    receiver = make_transport(
-        "mooncake", wire_layout(receiver_pool.layout), b"k", 10.0, pool_sink(receiver_pool)
-    )
+    sender = make_transport("mooncake", sender_pool.io.layout, b"k", 10.0, PoolSink(sender_pool.io))
+    receiver = make_transport("mooncake", receiver_pool.io.layout, b"k", 10.0, PoolSink(receiver_pool.io))
     endpoint = receiver.listen("127.0.0.1", 0)
     yield sender_pool, receiver_pool, sender, receiver, endpoint
     sender.close()
@@ -68,13 +66,13 @@ def test_inner_pages_arrive_through_mooncake(pair) -> None:
     from test_kv_transfer_tcp import HASH, wait_events
 
     from hearth.kv_transfer.base import ReceiveSpec, SendSpec
-    from hearth.kv_transfer.connector import PoolPageSource
+    from hearth.kv_transfer.pool_pages import PoolPageSource
 
     sender_pool, receiver_pool, sender, receiver, endpoint = pair
     sender.batch_bytes = 1  # one page per batch: several one-sided writes at offsets
     sender_pool.storage.normal_()
     receiver.open_receive(ReceiveSpec("m1", 1, [11, 5, 6], 16, HASH))
-    sender.send(SendSpec("m1", endpoint, PoolPageSource(sender_pool, [3, 7, 1, 9]), 16, HASH))
+    sender.send(SendSpec("m1", endpoint, PoolPageSource(sender_pool.io, [3, 7, 1, 9]), 16, HASH))
     (sent,) = wait_events(sender, 1)
     (received,) = wait_events(receiver, 1)
     assert sent.ok and received.ok, (sent, received)

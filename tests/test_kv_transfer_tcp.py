@@ -11,7 +11,7 @@ import torch
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.kv_transfer import make_transport
 from hearth.kv_transfer.base import KVTransport, ReceiveSpec, SendSpec, TransferEvent
-from hearth.kv_transfer.connector import PoolPageSource, pool_sink, wire_layout
+from hearth.kv_transfer.pool_pages import PoolPageSource, PoolSink
 
 SECRET = b"s3cret"
 HASH = 1234
@@ -26,7 +26,7 @@ def make_pool(dtype: torch.dtype = torch.float32, num_pages: int = 16, heads: in
 
 
 def transport(pool: KVPool, secret: bytes = SECRET, timeout_s: float = 5.0) -> KVTransport:
-    return make_transport("tcp", wire_layout(pool.layout), secret, timeout_s, pool_sink(pool))
+    return make_transport("tcp", pool.io.layout, secret, timeout_s, PoolSink(pool.io))
 
 
 def wait_events(t: KVTransport, count: int, timeout_s: float = 10.0) -> list[TransferEvent]:
@@ -55,7 +55,7 @@ def test_pages_arrive_converted_and_only_the_wanted_ones(pair) -> None:
     source_pages = [3, 7, 1, 9, 4]  # the prefill request's pages 0..4
     # The decode side already holds request pages 0 and 1 (its own prefix cache): it wants 2..4.
     receiver.open_receive(ReceiveSpec("t1", 2, [11, 5, 6], 5 * 4 - 1, HASH))
-    sender.send(SendSpec("t1", endpoint, PoolPageSource(sender_pool, source_pages), 5 * 4, HASH))
+    sender.send(SendSpec("t1", endpoint, PoolPageSource(sender_pool.io, source_pages), 5 * 4, HASH))
     (sent,) = wait_events(sender, 1)
     (received,) = wait_events(receiver, 1)
     assert sent.ok and received.ok and sent.num_pages == 3 and received.num_pages == 3
@@ -71,7 +71,7 @@ def test_many_batches_stream_on_one_connection(pair) -> None:
     sender.batch_bytes = 1  # one page per batch
     sender_pool.storage.normal_()
     receiver.open_receive(ReceiveSpec("t2", 0, list(range(8)), 30, HASH))
-    sender.send(SendSpec("t2", endpoint, PoolPageSource(sender_pool, list(range(8, 16))), 32, HASH))
+    sender.send(SendSpec("t2", endpoint, PoolPageSource(sender_pool.io, list(range(8, 16))), 32, HASH))
     assert wait_events(receiver, 1)[0].ok
     assert torch.equal(
         receiver_pool.read_pages(list(range(8))), sender_pool.read_pages(list(range(8, 16))).bfloat16()
@@ -84,7 +84,7 @@ def test_wrong_secret_is_refused_at_once() -> None:
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec("t3", 0, [0, 1], 5, HASH))
-        sender.send(SendSpec("t3", endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH))
+        sender.send(SendSpec("t3", endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH))
         (sent,) = wait_events(sender, 1)
         (received,) = wait_events(receiver, 1, timeout_s=2.0)  # well before the 5 s timeout
         assert not sent.ok and "secret" in sent.detail
@@ -101,7 +101,7 @@ def test_layout_mismatch_is_a_clear_error_on_both_sides() -> None:
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec("t4", 0, [0], 3, HASH))
-        sender.send(SendSpec("t4", endpoint, PoolPageSource(sender_pool, [0]), 4, HASH))
+        sender.send(SendSpec("t4", endpoint, PoolPageSource(sender_pool.io, [0]), 4, HASH))
         (sent,) = wait_events(sender, 1)
         (received,) = wait_events(receiver, 1)
         for event in (sent, received):
@@ -114,17 +114,17 @@ def test_layout_mismatch_is_a_clear_error_on_both_sides() -> None:
 def test_another_prompt_or_too_few_tokens_fail_the_load(pair) -> None:
     sender_pool, _, sender, receiver, endpoint = pair
     receiver.open_receive(ReceiveSpec("t5", 0, [0, 1], 7, HASH))
-    sender.send(SendSpec("t5", endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH + 1))
+    sender.send(SendSpec("t5", endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH + 1))
     assert not wait_events(receiver, 1)[0].ok
     receiver.open_receive(ReceiveSpec("t6", 0, [0, 1], 7, HASH))
-    sender.send(SendSpec("t6", endpoint, PoolPageSource(sender_pool, []), 0, HASH))  # an aborted prefill
+    sender.send(SendSpec("t6", endpoint, PoolPageSource(sender_pool.io, []), 0, HASH))  # an aborted prefill
     assert "holds 0 tokens" in wait_events(receiver, 1)[0].detail
 
 
 def test_a_closed_transfer_tells_a_late_sender_nothing_is_wanted(pair) -> None:
     sender_pool, _, sender, receiver, endpoint = pair
     receiver.close_receive("t7")
-    sender.send(SendSpec("t7", endpoint, PoolPageSource(sender_pool, [0]), 4, HASH))
+    sender.send(SendSpec("t7", endpoint, PoolPageSource(sender_pool.io, [0]), 4, HASH))
     (sent,) = wait_events(sender, 1)
     assert sent.ok and sent.detail == "nothing wanted" and receiver.events() == []
 
@@ -133,7 +133,7 @@ class GatedSource:
     """A prefill's pages whose read waits for the test: the transfer is paused mid-flight."""
 
     def __init__(self, pool: KVPool, page_ids: list[int]) -> None:
-        self.inner = PoolPageSource(pool, page_ids)
+        self.inner = PoolPageSource(pool.io, page_ids)
         self.reading = threading.Event()
         self.go = threading.Event()
 
@@ -188,7 +188,7 @@ def test_prefill_death_mid_transfer_fails_the_load(pair) -> None:
         assert isinstance(challenge, Challenge)
         send_message(
             sock,
-            Auth(_mac(SECRET, b"s", challenge.nonce, b"n" * 32), wire_layout(sender_pool.layout), 8, HASH),
+            Auth(_mac(SECRET, b"s", challenge.nonce, b"n" * 32), sender_pool.io.layout, 8, HASH),
         )
         assert isinstance(recv_message(sock), Want)
         sock.sendall(b"\x00\x00")  # half a frame, then the process is gone
@@ -203,7 +203,7 @@ def test_a_corrupted_page_fails_its_checksum_and_is_not_written(pair) -> None:
 
     sender_pool, receiver_pool, _, receiver, endpoint = pair
     receiver.open_receive(ReceiveSpec("t9", 0, [2], 3, HASH))
-    layout = wire_layout(sender_pool.layout)
+    layout = sender_pool.io.layout
     page = torch.ones(layout.page_shape())
     raw = page.numpy().tobytes()
     with socket.create_connection(("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))) as sock:
@@ -240,7 +240,7 @@ def test_bf16_pages_become_fp8_with_the_receivers_own_scales() -> None:
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec("f1", 0, [4, 2, 9], 11, HASH))
-        sender.send(SendSpec("f1", endpoint, PoolPageSource(sender_pool, [1, 3, 5]), 12, HASH))
+        sender.send(SendSpec("f1", endpoint, PoolPageSource(sender_pool.io, [1, 3, 5]), 12, HASH))
         assert wait_events(receiver, 1)[0].ok and wait_events(sender, 1)[0].ok
         scales = (receiver_pool.k_scales, receiver_pool.v_scales)
         expected = convert_pages(sender_pool.read_pages([1, 3, 5]), torch.float8_e4m3fn, None, scales)
@@ -264,7 +264,7 @@ def test_fp8_pages_with_other_scales_are_rescaled_with_the_senders_scales() -> N
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec("f2", 0, [0, 1], 7, HASH))
-        sender.send(SendSpec("f2", endpoint, PoolPageSource(sender_pool, [6, 7]), 8, HASH))
+        sender.send(SendSpec("f2", endpoint, PoolPageSource(sender_pool.io, [6, 7]), 8, HASH))
         assert wait_events(receiver, 1)[0].ok
         expected = convert_pages(
             sender_pool.read_pages([6, 7]),
@@ -288,7 +288,7 @@ def test_fp8_pages_into_a_bf16_pool_are_dequantized() -> None:
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec("f3", 0, [3], 3, HASH))
-        sender.send(SendSpec("f3", endpoint, PoolPageSource(sender_pool, [2]), 4, HASH))
+        sender.send(SendSpec("f3", endpoint, PoolPageSource(sender_pool.io, [2]), 4, HASH))
         assert wait_events(receiver, 1)[0].ok
         scales = torch.stack((sender_pool.k_scales, sender_pool.v_scales), 1)[:, :, None, None, :, None]
         expected = (sender_pool.read_pages([2]).float() * scales).to(torch.bfloat16)
@@ -310,7 +310,7 @@ def test_both_send_paths_deliver_the_same_bytes(zero_copy: bool) -> None:
         endpoint = receiver.listen("127.0.0.1", 0)
         source_pages = [15, 0, 7, 3, 8, 2, 11]
         receiver.open_receive(ReceiveSpec("z", 0, [1, 4, 6, 9, 10, 12, 14], 27, HASH))
-        sender.send(SendSpec("z", endpoint, PoolPageSource(sender_pool, source_pages), 28, HASH))
+        sender.send(SendSpec("z", endpoint, PoolPageSource(sender_pool.io, source_pages), 28, HASH))
         assert wait_events(receiver, 1)[0].ok and wait_events(sender, 1)[0].ok
         assert torch.equal(
             receiver_pool.read_pages([1, 4, 6, 9, 10, 12, 14]), sender_pool.read_pages(source_pages)
@@ -343,7 +343,7 @@ def test_closing_while_bytes_land_straight_in_the_pool_stops_them(monkeypatch: p
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec("mid", 0, [5, 6], 7, HASH))
-        sender.send(SendSpec("mid", endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH))
+        sender.send(SendSpec("mid", endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH))
         assert midway.wait(10)
         deadline = time.monotonic() + 10
         while "mid" not in receiver._writing:  # type: ignore[attr-defined]  # in recvmsg_into now

@@ -12,8 +12,10 @@ from itertools import count
 
 import torch
 
+from hearth.contracts.kv_ops import KVOps
 from hearth.engine.config import EngineConfig
-from hearth.engine.kv_connector import KVConnector, KVLoadCoordinator
+from hearth.engine.kv_connector import KVConnector, KVLoadCoordinator, KVOpQueue
+from hearth.engine.kv_connectors.tiers import TierConnector
 from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR, KVIntegrityPolicy
 from hearth.engine.messages import CoreOutput, EngineRequest, EngineStats
 from hearth.engine.outputs import FinishReason, TokenLogprob
@@ -23,7 +25,6 @@ from hearth.engine.scheduler import ScheduledRequest, Scheduler
 from hearth.engine.speculative import Speculator
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
-from hearth.engine.tier_connector import TierConnector
 from hearth.engine.worker import StepOutput, Worker
 from hearth.kv.integrity import PageTagMismatch
 from hearth.kv.manager import KVCacheManager
@@ -50,6 +51,7 @@ class Engine:
         num_kv_tokens: int,
         kv_connectors: list[KVConnector] | None = None,
         speculator: Speculator | None = None,
+        kv_ops: KVOpQueue | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -59,7 +61,7 @@ class Engine:
         self.worker = worker
         self.step_inputs = StepInputBuilder(config.page_size, check_page_tags=config.kv_integrity)
         self.integrity = KVIntegrityPolicy(scheduler, config.kv_integrity_action)  # type: ignore[arg-type]
-        self.kv_loads = KVLoadCoordinator(scheduler, kv_connectors or [], config.page_size)
+        self.kv_loads = KVLoadCoordinator(scheduler, kv_connectors or [], config.page_size, kv_ops)
         self.structured = structured
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -88,7 +90,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._deferred) or self.kv_loads.busy
+        return self.scheduler.has_work or bool(self._deferred) or self.kv_loads.busy or self.kv_loads.has_ops
 
     @property
     def has_runnable_work(self) -> bool:
@@ -108,9 +110,25 @@ class Engine:
         """KV comes from (and goes to) elsewhere: tiers or peers work in the background."""
         return bool(self.kv_loads.connectors)
 
+    def flush_kv_ops(self) -> None:
+        """Hand the KV ops decided since the last step (write-backs, spills) to the ranks now."""
+        if self.kv_loads.ops:
+            self._run_kv_ops(self.kv_loads.take_ops())
+
+    def _run_kv_ops(self, kv_ops: KVOps | None) -> None:
+        """A step with no rows: the ranks' KV halves move pages and report."""
+        if kv_ops is not None:
+            step = self.step_inputs.build([], self.structured)
+            step.kv_ops = kv_ops
+            self.kv_loads.on_events(self.worker.execute(step).kv_events)
+
     def close(self) -> None:
         """Stop the KV connectors' threads (queued tier writes get a moment to finish)."""
+        self.flush_kv_ops()
         self.kv_loads.close()
+        kv_worker = getattr(self.worker, "kv_worker", None)  # rank 0's half; other ranks close theirs at exit
+        if kv_worker is not None:
+            kv_worker.close()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -160,9 +178,15 @@ class Engine:
         self._totals["preempted"] += len(scheduled.preempted)
         self.step_inputs.pages_allocated(*self.kv.take_allocated())  # the pool's tags, from the allocator
         self.kv_loads.start(scheduled.kv_loads)
+        kv_ops = self.kv_loads.take_ops() if self.kv_loads.connectors else None
         if not scheduled.scheduled:
+            self._run_kv_ops(kv_ops)  # the ranks' KV halves still move pages and report
             return sent
-        step_output = self.worker.execute(self.step_inputs.build(scheduled.scheduled, self.structured))
+        step = self.step_inputs.build(scheduled.scheduled, self.structured)
+        if kv_ops is not None:
+            step.kv_ops = kv_ops
+        step_output = self.worker.execute(step)
+        self.kv_loads.on_events(step_output.kv_events)
         outputs = self._process_outputs(scheduled.scheduled, step_output)
         if self.speculator is not None:  # what the step cost decides whether drafts pay at this batch size
             self.speculator.step_finished(scheduled.scheduled, sum(len(o.new_token_ids) for o in outputs))

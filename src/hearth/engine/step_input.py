@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
+from hearth.contracts.kv_ops import KVOps
 from hearth.engine.sampling_params import SamplingParams
 from hearth.kv.integrity import PADDING_TAG
 
@@ -81,6 +82,8 @@ class StepInput(msgspec.Struct, omit_defaults=True):
     bitmask_rows: list[int] = []
     bitmask: bytes = b""
     finished_request_ids: list[str] = []
+    # The step's KV operations for every rank's worker half of the connectors (hearth.contracts.kv_ops).
+    kv_ops: KVOps = msgspec.field(default_factory=KVOps)
 
     @property
     def num_tokens(self) -> int:

@@ -20,9 +20,11 @@ from collections.abc import Callable, Iterable
 import msgspec
 import torch
 
+from hearth.contracts.kv_ops import KVEvent
 from hearth.engine.config import EngineConfig
 from hearth.engine.fp8_kv_scales import init_fp8_kv_scales
 from hearth.engine.kv_integrity import without_rows
+from hearth.engine.kv_worker import build_kv_worker, rank_page_layout
 from hearth.engine.outputs import TokenLogprob
 from hearth.engine.ranks.microbatch import forward_micro_batches, resolve_micro_batches
 from hearth.engine.ranks.pipeline import stage_layers
@@ -52,6 +54,8 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[list[TokenLogprob]] | None = None
     # Page table entries that failed the integrity check; their rows did not run (an empty token list).
     kv_mismatches: list[PageTagMismatch] = []
+    # What the ranks' KV connector halves finished (hearth.contracts.kv_ops), every rank's, on rank 0.
+    kv_events: list[KVEvent] = []
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -126,8 +130,8 @@ class Worker:
             quantization=quantization,
             quant_config=quant_config,
         )
-        layout = dataclasses.replace(layout, num_layers=len(stage))
-        self.kv_pool = KVPool(layout, num_pages, self.device)
+        full_layout, layout = layout, dataclasses.replace(layout, num_layers=len(stage))
+        self.kv_pool = KVPool(layout, num_pages, self.device, rank_page_layout(layout, model_config, stage))
         if self.kv_pool.quantized:
             # Sharded: the pool holds this stage's layers and this rank's KV heads, and so do its scales.
             sharded = parallel.pp_size > 1 or parallel.tp_size > 1
@@ -157,6 +161,14 @@ class Worker:
         self._generators: dict[str, torch.Generator] = {}
         # Called with each step after the model's forward (an EAGLE-3 proposer takes the step's aux hidden states).
         self.after_forward: Callable[[StepInput], None] | None = None
+        # This rank's half of the KV connectors (tiers, PD transfer); None when KV stays in this pool.
+        self.kv_worker = build_kv_worker(
+            config,
+            self.kv_pool.io,
+            f"{full_layout.describe()}/{parallel.layout_tag}",
+            parallel.global_rank(parallel.pp_rank, parallel.tp_rank),
+            parallel.pp_size * parallel.tp_size,
+        )
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             # Compiled CPU kernels, loaded (or built, the first time) in the background so they never delay
@@ -172,6 +184,14 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        if self.kv_worker is None:
+            return self._execute(step)
+        self.kv_worker.apply(step.kv_ops)  # before the forward: pages saved, loads started or landed
+        output = self._execute(step)
+        output.kv_events = self.kv_worker.report(step.kv_ops)
+        return output
+
+    def _execute(self, step: StepInput) -> StepOutput:
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         if step.tag_page_ids:

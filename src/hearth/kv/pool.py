@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from hearth.kv.dtypes import KVCacheDtypeError, check_kv_cache_dtype
+from hearth.kv.page_io import PageIO, PageLayout, paged_view
 from hearth.ops.attention.backend import as_copyable, write_kv
 from hearth.ops.fp8 import FP8_DTYPE, is_fp8, quantize_fp8
 
@@ -98,7 +99,13 @@ class KVPool:
     Allocated with `torch.empty`, so on CPU the operating system commits memory only as pages are written.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device: torch.device | str = "cpu",
+        page_layout: PageLayout | None = None,
+    ) -> None:
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = layout.page_size
@@ -112,6 +119,9 @@ class KVPool:
         self._layer_scales: list[tuple[torch.Tensor, torch.Tensor]] = []
         value_plane = 1 if layout.num_planes == 2 else 0
         self._layers = [(self.storage[i, 0], self.storage[i, value_plane]) for i in range(layout.num_layers)]
+        # Every read and write of whole pages (transfers, tiers) goes through here; `page_layout` places a
+        # rank's shard in the model's KV (layers of its stage, its KV heads).
+        self.io = PageIO(self, page_layout)
 
     @property
     def quantized(self) -> bool:
@@ -152,15 +162,7 @@ class KVPool:
         write_kv(k_pool, v_pool, slot_mapping, k, v)
 
     def _paged(self) -> torch.Tensor:
-        layout = self.layout
-        return self.storage.view(
-            layout.num_layers,
-            layout.num_planes,
-            self.num_pages,
-            layout.page_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
+        return paged_view(self.storage, self.layout, self.num_pages)
 
     def read_pages(self, page_ids: list[int] | torch.Tensor) -> torch.Tensor:
         index = torch.as_tensor(page_ids, dtype=torch.long).to(self.device)
