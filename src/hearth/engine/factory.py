@@ -148,7 +148,7 @@ def build_engine(config: EngineConfig) -> Engine:
         kv_ops=kv_ops,
     )
     if peer is not None and config.role == "decode":
-        engine.kv_transfer_endpoint = listen_on_every_rank(engine, config, world_size)
+        engine.kv_transfer_endpoint = listen_on_every_rank(engine, config, parallel)
         logger.info(
             "decode role: KV transfer (%s) listening on %s", config.kv_transfer, engine.kv_transfer_endpoint
         )
@@ -208,16 +208,21 @@ def build_speculator(
     return Speculator(proposer, config.num_speculative_tokens, max_batch_size)
 
 
-def listen_on_every_rank(engine: Engine, config: EngineConfig, world_size: int) -> str:
+def listen_on_every_rank(engine: Engine, config: EngineConfig, parallel: ParallelConfig) -> str:
     """Decode role: every rank's transport listens (one step carries the op; each rank answers with its
-    endpoint); prefill servers get them comma-separated, in rank order."""
+    endpoint); prefill servers get them comma-separated, in rank order, with the parallel layout."""
+    from hearth.engine.kv_worker import PeerRanks
+
     step = engine.step_inputs.build([])
     step.kv_ops = KVOps([PeerListen(config.kv_transfer_host, config.kv_transfer_port)], report=True)
     events = engine.worker.execute(step).kv_events
     endpoints = {event.rank: event.detail for event in events if event.kind == "listening"}
+    world_size = parallel.world_size
     if sorted(endpoints) != list(range(world_size)):
         raise ModelLoadError(f"KV transfer: only ranks {sorted(endpoints)} of {world_size} are listening")
-    return ",".join(endpoints[rank] for rank in range(world_size))
+    return PeerRanks(
+        [endpoints[rank] for rank in range(world_size)], parallel.tp_size, parallel.pp_size
+    ).describe()
 
 
 def resolve_max_model_len(model_config: ModelConfig, requested: int | None, num_kv_tokens: int) -> int:

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from dataclasses import dataclass
 
 import msgspec
+import torch
 
 from hearth.contracts.kv_ops import (
     CancelLoad,
@@ -35,12 +38,12 @@ from hearth.contracts.kv_ops import (
     TierSpill,
 )
 from hearth.engine.config import EngineConfig
-from hearth.kv.page_io import PageIO, PageLayout
+from hearth.kv.page_io import PageIO, PageLayout, Scales
 from hearth.kv.pool import KVLayout
 from hearth.kv.tiers import PageSpec, TierStack, build_tiers
 from hearth.kv_transfer import make_transport
-from hearth.kv_transfer.base import KVTransport, ReceiveSpec, SendSpec
-from hearth.kv_transfer.pool_pages import PoolPageSource, PoolSink
+from hearth.kv_transfer.base import KVTransport, ReceiveSpec, SendSpec, TransferEvent
+from hearth.kv_transfer.pool_pages import PoolPageSource, PoolSink, TensorPageSource
 from hearth.model.config import ModelConfig
 from hearth.parallel.state import parallel_state
 
@@ -69,8 +72,27 @@ def deployment_secret() -> bytes:
     return secret.encode()
 
 
-def split_endpoints(endpoint: str) -> list[str]:
-    return [part for part in endpoint.split(",") if part]
+@dataclass(frozen=True)
+class PeerRanks:
+    """A decode server's transfer endpoints, one per rank, and its parallel layout."""
+
+    endpoints: list[str]
+    tp_size: int
+    pp_size: int
+
+    def describe(self) -> str:
+        if len(self.endpoints) == 1 and self.tp_size == self.pp_size == 1:
+            return self.endpoints[0]
+        return ",".join(self.endpoints) + f";tp{self.tp_size}pp{self.pp_size}"
+
+    @staticmethod
+    def parse(text: str) -> PeerRanks:
+        endpoints, _, layout = text.partition(";")
+        parts = [part for part in endpoints.split(",") if part]
+        match = re.fullmatch(r"tp(\d+)pp(\d+)", layout)
+        if match is None:  # a single endpoint (one rank)
+            return PeerRanks(parts, len(parts), 1)
+        return PeerRanks(parts, int(match[1]), int(match[2]))
 
 
 class KVWorker:
@@ -80,6 +102,10 @@ class KVWorker:
         self.io = io
         self.rank = rank
         self.world_size = world_size
+        state = parallel_state()
+        self.tp_size, self.pp_size = state.tp_size, state.pp_size
+        self._send_parts: dict[str, list[KVEvent]] = {}  # transfer id -> answers of its part sends so far
+        self._num_send_parts: dict[str, int] = {}
         self.tiers: TierStack | None = None
         self.transport: KVTransport | None = None
         self._events: list[KVEvent] = []
@@ -190,24 +216,93 @@ class KVWorker:
         )
 
     def _send(self, op: PeerSend) -> None:
-        endpoints = split_endpoints(op.endpoint)
-        if self.transport is None or len(endpoints) != self.world_size:
-            detail = (
-                f"the decode server has {len(endpoints)} rank(s), this prefill server {self.world_size}: "
-                "PD transfer needs the same parallel layout on both sides"
+        peer = PeerRanks.parse(op.endpoint)
+        if self.transport is None:
+            self._send_failed(op, "this server has no KV transport")
+        elif (peer.tp_size, peer.pp_size) == (self.tp_size, self.pp_size) and len(
+            peer.endpoints
+        ) == self.world_size:
+            self._sends[op.transfer_id] = (
+                op.request_id
+            )  # rank r sends its shard to the decode server's rank r
+            source = PoolPageSource(self.io, list(op.page_ids))
+            self.transport.send(
+                SendSpec(op.transfer_id, peer.endpoints[self.rank], source, op.num_tokens, op.prompt_hash)
             )
-            logger.warning("KV transfer %s not sent: %s", op.transfer_id, detail)
+        elif self.pp_size == 1 and peer.pp_size == 1 and len(peer.endpoints) == peer.tp_size:
+            self._send_resharded(op, peer)
+        else:
+            self._send_failed(
+                op,
+                f"pipeline-parallel layouts must match for PD transfer (this server pp {self.pp_size}, the decode "
+                f"server pp {peer.pp_size})",
+            )
+
+    def _send_failed(self, op: PeerSend, detail: str) -> None:
+        logger.warning("KV transfer %s not sent: %s", op.transfer_id, detail)
+        self._events.append(
+            KVEvent("sent", self.rank, op.request_id, op.transfer_id, ok=False, detail=detail)
+        )
+        if self.rank == 0 and self.transport is not None:  # the decode ranks give up at once and recompute
+            for endpoint in PeerRanks.parse(op.endpoint).endpoints:
+                self._num_send_parts[op.transfer_id] = self._num_send_parts.get(op.transfer_id, 0) + 1
+                empty = TensorPageSource(self.io.read([]), self.io.scales)
+                self.transport.send(SendSpec(f"{op.transfer_id}", endpoint, empty, 0, op.prompt_hash))
+            self._sends[op.transfer_id] = ""  # their answers are not reported again
+
+    def _send_resharded(self, op: PeerSend, peer: PeerRanks) -> None:
+        """Tensor-parallel sizes differ: rank 0 assembles every page's heads (a gather over the ranks, in
+        this same op on every rank) and sends each decode rank the heads it holds."""
+        layout = self.io.layout
+        pages = self.io.read(list(op.page_ids))
+        scales = self.io.scales
+        if layout.kind != "latent" and self.tp_size > 1:
+            pages, scales = _gather_heads(pages, scales, layout)
+        if self.rank != 0:
             self._events.append(
-                KVEvent("sent", self.rank, op.request_id, op.transfer_id, ok=False, detail=detail)
+                KVEvent("sent", self.rank, op.request_id, op.transfer_id, num_pages=len(op.page_ids))
             )
             return
+        assert self.transport is not None and pages is not None
+        total = layout.model_kv_heads
         self._sends[op.transfer_id] = op.request_id
-        source = PoolPageSource(self.io, list(op.page_ids))
-        self.transport.send(
-            SendSpec(op.transfer_id, endpoints[self.rank], source, op.num_tokens, op.prompt_hash)
-        )
+        self._num_send_parts[op.transfer_id] = peer.tp_size
+        for index, endpoint in enumerate(peer.endpoints):
+            first = index * total // peer.tp_size if layout.kind != "latent" else 0
+            count = max(1, total // peer.tp_size) if layout.kind != "latent" else 1
+            part = pages[:, :, :, :, first : first + count].contiguous()
+            part_scales = (
+                None
+                if scales is None
+                else (scales[0][:, first : first + count], scales[1][:, first : first + count])
+            )
+            part_layout = msgspec.structs.replace(
+                layout, num_kv_heads=count, first_kv_head=first, total_kv_heads=total
+            )
+            self.transport.send(
+                SendSpec(
+                    op.transfer_id,
+                    endpoint,
+                    TensorPageSource(part, part_scales),
+                    op.num_tokens,
+                    op.prompt_hash,
+                    layout=part_layout,
+                )
+            )
 
     # ---- what finished ----------------------------------------------------------------------------
+
+    def _combine_parts(self, event: TransferEvent) -> TransferEvent | None:
+        """One transfer sent in parts (one per decode rank): its answer once every part answered."""
+        parts = self._send_parts.setdefault(event.transfer_id, [])
+        parts.append(event)
+        if len(parts) < self._num_send_parts[event.transfer_id]:
+            return None
+        del self._send_parts[event.transfer_id], self._num_send_parts[event.transfer_id]
+        failed = [part for part in parts if not part.ok]
+        if failed:
+            return failed[0]
+        return TransferEvent(event.transfer_id, "sent", True, num_pages=parts[0].num_pages)
 
     def _harvest(self) -> None:
         if self.tiers is not None and self._tier_loads:
@@ -218,10 +313,14 @@ class KVWorker:
         if self.transport is None:
             return
         for event in self.transport.events():
+            if event.kind == "sent" and event.transfer_id in self._num_send_parts:
+                event = self._combine_parts(event)
+                if event is None:
+                    continue  # more parts to come
             table = self._receives if event.kind == "received" else self._sends
             request_id = table.pop(event.transfer_id, None)
-            if request_id is None:
-                continue  # closed meanwhile
+            if not request_id:
+                continue  # closed meanwhile, or already answered
             self._events.append(
                 KVEvent(
                     event.kind,
@@ -233,6 +332,39 @@ class KVWorker:
                     event.detail,
                 )
             )
+
+
+def _gather_heads(
+    pages: torch.Tensor, scales: Scales | None, layout: PageLayout
+) -> tuple[torch.Tensor | None, Scales | None]:
+    """Every TP rank's heads of the same pages, on rank 0 (None elsewhere): `[n, layers, planes, page_size,
+    model_kv_heads, head_dim]`, and the scales `[layers, model_kv_heads]` likewise. A collective."""
+    import torch.distributed as dist
+
+    from hearth.parallel.groups import control_group
+
+    group = control_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = pages.contiguous().view(torch.uint8)
+    shards = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
+    dist.gather(mine, shards, dst=0, group=group)
+    scale_shards = None
+    if scales is not None:
+        both = torch.stack(scales).float().contiguous()
+        scale_shards = [torch.empty_like(both) for _ in range(world)] if rank == 0 else None
+        dist.gather(both, scale_shards, dst=0, group=group)
+    if rank != 0:
+        return None, None
+    assert shards is not None
+    total, local = layout.model_kv_heads, layout.num_kv_heads
+    full = torch.empty((*pages.shape[:4], total, pages.shape[5]), dtype=pages.dtype)
+    full_scales = torch.empty((2, layout.num_layers, total)) if scales is not None else None
+    for tp_rank, shard in enumerate(shards):
+        first = tp_rank * total // world  # replicated heads (fewer than ranks) land on themselves
+        full.view(torch.uint8)[:, :, :, :, first : first + local].copy_(shard)
+        if full_scales is not None and scale_shards is not None:
+            full_scales[:, :, first : first + local] = scale_shards[tp_rank]
+    return full, None if full_scales is None else (full_scales[0], full_scales[1])
 
 
 def rank_page_layout(layout: KVLayout, model_config: ModelConfig, stage: range) -> PageLayout:

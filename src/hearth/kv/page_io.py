@@ -11,7 +11,7 @@ scripts/bench_kv_transfer.py), and a CPU pool's runs can go to `sendmsg`/`recvms
 A rank's pool is a shard of the model's KV: a TP rank holds some KV heads (`first_kv_head` of
 `total_kv_heads`; MLA latents are whole on every rank), a PP stage some layers (`first_layer` of
 `total_layers`). `PageLayout` says which, so pages moved between different parallel layouts can be
-cut and re-assembled (`head_slice`), and tiers file each rank's shard under its own name (`shard_key`).
+cut and re-assembled, and tiers file each rank's shard under its own name (`shard_key`).
 """
 
 from __future__ import annotations
@@ -281,28 +281,3 @@ class PageIO:
         source = _copyable(data.to(pool.device, pool.layout.kv_dtype))
         for index, page_id in enumerate(page_ids):
             paged[:, :, page_id].copy_(source[index])
-
-    def write_heads(
-        self,
-        page_ids: list[int],
-        data: torch.Tensor,
-        first_kv_head: int,
-        src_scales: Scales | None = None,
-    ) -> None:
-        """Pages holding only some of this pool's KV heads (`data`'s head dim, from local head
-        `first_kv_head` on): the receiver's half of re-assembling a shard sent by ranks of another TP size."""
-        count = data.shape[4]
-        if first_kv_head < 0 or first_kv_head + count > self.layout.num_kv_heads:
-            raise ValueError(
-                f"heads {first_kv_head}+{count} are not in this pool's {self.layout.num_kv_heads}"
-            )
-        pool = self.pool
-        if pool.quantized or src_scales is not None:
-            dst = self.scales
-            heads = slice(first_kv_head, first_kv_head + count)
-            dst_part = None if dst is None else (dst[0][:, heads], dst[1][:, heads])
-            data = convert_values(data, pool.layout.kv_dtype, src_scales, dst_part)
-        paged = _copyable(self._paged)
-        source = _copyable(data.to(pool.device, pool.layout.kv_dtype))
-        for index, page_id in enumerate(page_ids):
-            paged[:, :, page_id, :, first_kv_head : first_kv_head + count].copy_(source[index])

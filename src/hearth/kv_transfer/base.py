@@ -85,6 +85,7 @@ class SendSpec:
     source: PageSource
     num_tokens: int  # computed prompt tokens the source's pages hold (0: none; tells the receiver to give up)
     prompt_hash: int
+    layout: WireLayout | None = None  # what the source's pages hold, when not the transport's whole pool
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ over the pool's `hearth.kv.page_io.PageIO` (the one owner of a page's bytes).
 The sender hands the pool's own page runs to `sendmsg` (no gather copy); a receiver whose pool has the
 wire's dtype `recvmsg_into`s straight into its pages. Other dtypes (and FP8 scales) are converted by
 `PageIO.write` with the receiver's own scales (precision per role: a BF16 prefill pool into an FP8 decode
-pool). Transfers between different TP sizes move a part of each page's heads (`first_kv_head`).
+pool). Pages re-assembled from several ranks (a receiver of another TP size) go out of a tensor.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from hearth.kv.page_io import PageIO, Scales
 
 
 class PoolPageSource:
-    """A request's held pages, read page-major for the wire (`heads`: only those local KV heads)."""
+    """A request's held pages, read page-major for the wire."""
 
-    def __init__(self, io: PageIO, page_ids: list[int], heads: tuple[int, int] | None = None) -> None:
+    def __init__(self, io: PageIO, page_ids: list[int]) -> None:
         self.io = io
         self.page_ids = page_ids
-        self.heads = heads
-        if io.pool.storage.device.type != "cpu" or heads is not None:
-            self.page_runs = None  # type: ignore[assignment]  # gathered into host memory instead
+        if io.pool.storage.device.type != "cpu":
+            self.page_runs = None  # type: ignore[assignment]  # GPU pools: gathered into host memory
 
     @property
     def num_pages(self) -> int:
@@ -34,41 +33,48 @@ class PoolPageSource:
 
     @property
     def scales(self) -> Scales | None:
-        scales = self.io.scales
-        if scales is None or self.heads is None:
-            return scales
-        part = slice(self.heads[0], self.heads[0] + self.heads[1])
-        return scales[0][:, part].contiguous(), scales[1][:, part].contiguous()
+        return self.io.scales
 
     def page_runs(self, first: int, count: int) -> list[memoryview]:
         """Pages [first, first + count) as the pool's contiguous byte runs, in wire order (for `sendmsg`)."""
         return self.io.page_runs(self.page_ids[first : first + count])
 
     def read_into(self, first: int, count: int, out: torch.Tensor) -> None:
-        ids = self.page_ids[first : first + count]
-        if self.heads is None:
-            self.io.read_into(ids, out)
-            return
-        whole = self.io.read(ids)
-        out.copy_(whole[:, :, :, :, self.heads[0] : self.heads[0] + self.heads[1]])
+        self.io.read_into(self.page_ids[first : first + count], out)
+
+
+class TensorPageSource:
+    """Pages already copied out (`[num_pages, *page_shape]`, CPU), with their FP8 scales if any."""
+
+    def __init__(self, pages: torch.Tensor, scales: Scales | None) -> None:
+        self.pages = pages
+        self.scales = scales
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pages.dtype
+
+    def read_into(self, first: int, count: int, out: torch.Tensor) -> None:
+        part = self.pages[first : first + count]
+        if part.element_size() == 1:  # FP8: copied as bytes
+            out.view(torch.uint8).copy_(part.view(torch.uint8))
+        else:
+            out.copy_(part)
 
 
 class PoolSink:
     """Writes wire pages into the pool (converting when the dtype or FP8 scales differ); `page_runs` says
-    where same-dtype pages can be received as they are. `first_kv_head`: the received pages hold the
-    local KV heads from there on (a sender of another TP size sends its part)."""
+    where same-dtype pages can be received as they are."""
 
-    def __init__(self, io: PageIO, first_kv_head: int | None = None) -> None:
+    def __init__(self, io: PageIO) -> None:
         self.io = io
-        self.first_kv_head = first_kv_head
 
     def __call__(self, page_ids: list[int], data: torch.Tensor, src_scales: Scales | None = None) -> None:
-        if self.first_kv_head is None:
-            self.io.write(page_ids, data, src_scales)
-        else:
-            self.io.write_heads(page_ids, data, self.first_kv_head, src_scales)
+        self.io.write(page_ids, data, src_scales)
 
     def page_runs(self, page_ids: list[int], dtype: torch.dtype) -> list[memoryview] | None:
-        if self.first_kv_head is not None:
-            return None
         return self.io.writable_runs(page_ids, dtype)

@@ -550,11 +550,14 @@ class TCPTransport(KVTransport):
                 assert isinstance(challenge, Challenge)
                 # Auth goes out before our verdict on the receiver, so a wrong secret is reported on
                 # both sides at once (the decode request recomputes without waiting for its timeout).
+                layout = (
+                    spec.layout or self.layout
+                )  # a part of this pool's heads, for a receiver of another TP size
                 send_message(
                     sock,
                     Auth(
                         _mac(self.secret, b"s", challenge.nonce, nonce),
-                        self.layout,
+                        layout,
                         spec.num_tokens,
                         spec.prompt_hash,
                         encode_scales(spec.source.scales),
@@ -562,7 +565,7 @@ class TCPTransport(KVTransport):
                 )
                 if not hmac.compare_digest(challenge.mac, _mac(self.secret, b"r", nonce, challenge.nonce)):
                     raise TransferError("the decode server did not prove it holds this deployment's secret")
-                mismatch = self.layout.mismatch(challenge.layout)
+                mismatch = layout.mismatch(challenge.layout)
                 if mismatch:
                     raise TransferError(mismatch)
                 want = _expect(recv_message(sock), Want)
@@ -591,7 +594,8 @@ class TCPTransport(KVTransport):
         end = want.first_page + want.num_pages
         if want.first_page < 0 or end > spec.source.num_pages:
             raise TransferError(f"pages {want.first_page}..{end} wanted, {spec.source.num_pages} held")
-        page_bytes = self.layout.page_bytes(spec.source.dtype)
+        layout = spec.layout or self.layout
+        page_bytes = layout.page_bytes(spec.source.dtype)
         per_batch = max(1, self.batch_bytes // page_bytes)
         page_runs = getattr(spec.source, "page_runs", None)
         if want.remote is None and self.zero_copy_send and page_runs is not None:
@@ -625,7 +629,7 @@ class TCPTransport(KVTransport):
             while first < end:
                 count = min(per_batch, end - first)
                 raw = memoryview(staging)[: count * page_bytes]
-                out = torch.frombuffer(raw, dtype=spec.source.dtype).view(count, *self.layout.page_shape())
+                out = torch.frombuffer(raw, dtype=spec.source.dtype).view(count, *layout.page_shape())
                 spec.source.read_into(first, count, out)
                 checksums = [page_checksum(raw[i * page_bytes : (i + 1) * page_bytes]) for i in range(count)]
                 self._send_payload(sock, want, raw, offset)  # off-socket bytes land before their header

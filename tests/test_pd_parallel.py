@@ -1,0 +1,122 @@
+"""Prefill/decode disaggregation with tensor parallelism on either side, over TCP: real `hearth serve`
+processes, each rank of a server sending or receiving its own shard of every page; compared with a mixed
+one-rank server computing the same requests (greedy, float32).
+
+- same sizes (prefill TP=2 -> decode TP=2) through a real `hearth route`;
+- different sizes, sent by hand as the router would: prefill TP=2 -> decode TP=1 (the prefill ranks' heads
+  are re-assembled) and prefill TP=1 -> decode TP=2 (each decode rank gets the heads it holds).
+No transfer may fail and no prompt token may be recomputed: every answer comes from moved KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from test_pd_e2e import CASES, Router, comparable, metric, post, serve, strip_ids, wait_for_zero_pages
+from tiny_models import make_tiny_model
+
+SECRET = "pd-parallel-secret"
+TP2 = ["--tensor-parallel-size", "2", "--dtype", "float32"]
+TP1 = ["--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("pd_parallel")
+    model = make_tiny_model(root / "tiny")
+    os.environ["HEARTH_KV_TRANSFER_SECRET"] = SECRET  # inherited by the servers and their ranks
+    # The compiled CPU kernels load in the background and may take over mid-test: the torch paths keep
+    # one rank's and two ranks' arithmetic comparable (the transfers move bytes, not arithmetic).
+    os.environ["HEARTH_CPU_KERNELS"] = "0"
+    servers = {
+        "mixed": serve(model, root / "mixed.log", *TP1),
+        "prefill_tp2": serve(model, root / "prefill_tp2.log", "--role", "prefill", *TP2),
+        "decode_tp2": serve(
+            model, root / "decode_tp2.log", "--role", "decode", "--kv-transfer-timeout", "20", *TP2
+        ),
+        "prefill_tp1": serve(model, root / "prefill_tp1.log", "--role", "prefill", *TP1),
+        "decode_tp1": serve(
+            model, root / "decode_tp1.log", "--role", "decode", "--kv-transfer-timeout", "20", *TP1
+        ),
+    }
+    for server in servers.values():
+        server.start()
+    router = None
+    try:
+        for server in servers.values():
+            server.wait_ready(timeout_s=900)
+        router = Router([servers["prefill_tp2"].url], [servers["decode_tp2"].url], root / "router.log")
+        yield {**servers, "router": router}
+    finally:
+        if router is not None:
+            router.stop()
+        for server in servers.values():
+            server.stop()
+        os.environ.pop("HEARTH_KV_TRANSFER_SECRET", None)
+        os.environ.pop("HEARTH_CPU_KERNELS", None)
+
+
+def no_failures(decode_url: str) -> None:
+    assert metric(decode_url, "hearth_kv_transfer_failures_total") == 0
+    assert metric(decode_url, "hearth_kv_recomputed_tokens_total") == 0
+
+
+def test_tp2_prefill_to_tp2_decode_through_the_router_answers_like_one_rank(
+    deployment: dict[str, Any],
+) -> None:
+    mixed, router, decode = deployment["mixed"], deployment["router"], deployment["decode_tp2"]
+    assert httpx.get(decode.url + "/kv_transfer/endpoint").json()["endpoint"].endswith(";tp2pp1")
+    before = metric(decode.url, "hearth_kv_transfer_pages_total")
+    for path, extra in CASES[:4]:
+        body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, **extra}
+        assert strip_ids(comparable(post(router.url, path, body))) == strip_ids(
+            comparable(post(mixed.url, path, body))
+        ), (path, extra)
+    assert metric(decode.url, "hearth_kv_transfer_pages_total") > before
+    no_failures(decode.url)
+    wait_for_zero_pages([deployment["prefill_tp2"].url, decode.url])
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [("prefill_tp2", "decode_tp1"), ("prefill_tp1", "decode_tp2")],
+    ids=["2to1", "1to2"],
+)
+def test_different_tp_sizes_reassemble_the_heads(
+    deployment: dict[str, Any], prefill: str, decode: str
+) -> None:
+    prefill_url, decode_url, mixed = deployment[prefill].url, deployment[decode].url, deployment["mixed"]
+    body = {"prompt": f"Shards of the {prefill} prompt travel far " * 9, "max_tokens": 8, "temperature": 0}
+    want = post(mixed.url, "/v1/completions", body)
+    transfer_id = f"{prefill}-{decode}-{random.getrandbits(64):x}"
+    before = metric(decode_url, "hearth_kv_transfer_pages_total")
+    prefill_body = {
+        **body,
+        "max_tokens": 1,
+        "kv_transfer": {"role": "prefill", "transfer_id": transfer_id, "decode_url": decode_url},
+    }
+    decode_body = {
+        **body,
+        "kv_transfer": {"role": "decode", "transfer_id": transfer_id, "prefill_url": prefill_url},
+    }
+
+    async def both() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                client.post(prefill_url + "/v1/completions", json=prefill_body),
+                client.post(decode_url + "/v1/completions", json=decode_body),
+            )
+
+    prefill_answer, decode_answer = asyncio.run(both())
+    assert prefill_answer.status_code == decode_answer.status_code == 200, decode_answer.text
+    assert prefill_answer.json()["kv_transfer"]["status"] == "sent"
+    assert decode_answer.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    assert metric(decode_url, "hearth_kv_transfer_pages_total") > before
+    no_failures(decode_url)
+    wait_for_zero_pages([prefill_url, decode_url])
