@@ -138,6 +138,8 @@ class KVPool:
                 raise ValueError(f"{name} has shape {tuple(scales.shape)}, this pool takes {shape}")
             if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
                 raise ValueError(f"{name} must be finite and > 0")
+        if self.layout.kind == "latent" and not torch.equal(k_scales, v_scales):
+            raise ValueError("a latent pool is read as keys and as values: its K and V scales must be equal")
         self.k_scales = k_scales.to(self.device, torch.float32).contiguous()
         self.v_scales = v_scales.to(self.device, torch.float32).contiguous()
         self._layer_scales = [(self.k_scales[i], self.v_scales[i]) for i in range(shape[0])]
@@ -153,10 +155,12 @@ class KVPool:
     def store(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """k, v `[num_tokens, num_kv_heads, head_dim]` into the slots `slot_mapping` (long, on the pool's device)."""
         k_pool, v_pool = self._layers[layer]
-        if v is None:  # a latent layout: one tensor
-            k_pool.index_copy_(0, slot_mapping, k.to(k_pool.dtype))
-            return
         scales = self.kv_scales(layer)
+        if v is None:  # a latent layout: one tensor (FP8: its K scales, which its V scales equal)
+            if scales is not None:
+                k = quantize_fp8(k, scales[0])
+            as_copyable(k_pool).index_copy_(0, slot_mapping, as_copyable(k.to(k_pool.dtype)))
+            return
         if scales is not None:
             k, v = quantize_fp8(k, scales[0]), quantize_fp8(v, scales[1])
         write_kv(k_pool, v_pool, slot_mapping, k, v)
