@@ -99,3 +99,36 @@ def test_inner_a_late_mooncake_write_never_reaches_the_pool(pair) -> None:
     assert not sent.ok
     assert torch.all(receiver_pool.read_pages([5, 6]) == 7.0)
     assert receiver.counters.late_writes_dropped == 2
+
+
+@pytest.mark.skipif(not INSIDE, reason="runs inside the private network namespace")
+def test_inner_one_rank_shard_of_heads_arrives_through_mooncake() -> None:
+    """A TP=1 prefill sends a TP=2 decode rank the heads it holds: the part's layout sizes the receiver's
+    staging buffer and the one-sided writes."""
+    from test_kv_transfer_tcp import HASH, make_pool, wait_events
+
+    from hearth.kv.page_io import PageLayout
+    from hearth.kv.pool import KVLayout, KVPool
+    from hearth.kv_transfer import make_transport
+    from hearth.kv_transfer.base import ReceiveSpec, SendSpec
+    from hearth.kv_transfer.pool_pages import PoolSink, TensorPageSource
+
+    sender_pool = make_pool()
+    sender_pool.storage.normal_()
+    rank_layout = KVLayout(3, 1, 8, 4, torch.float32)
+    part = PageLayout.of(rank_layout, first_layer=0, total_layers=3, first_kv_head=1, total_kv_heads=2)
+    receiver_pool = KVPool(rank_layout, 8, page_layout=part)
+    sender = make_transport("mooncake", sender_pool.io.layout, b"k", 10.0, PoolSink(sender_pool.io))
+    receiver = make_transport("mooncake", part, b"k", 10.0, PoolSink(receiver_pool.io))
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        heads = sender_pool.io.read([2, 4, 6])[:, :, :, :, 1:2].contiguous()
+        receiver.open_receive(ReceiveSpec("part", 0, [7, 0, 3], 11, HASH))
+        sender.send(SendSpec("part", endpoint, TensorPageSource(heads, None), 12, HASH, layout=part))
+        (sent,) = wait_events(sender, 1)
+        (received,) = wait_events(receiver, 1)
+        assert sent.ok and received.ok, (sent, received)
+        assert torch.equal(receiver_pool.io.read([7, 0, 3]), heads)
+    finally:
+        sender.close()
+        receiver.close()

@@ -120,3 +120,100 @@ def test_different_tp_sizes_reassemble_the_heads(
     assert metric(decode_url, "hearth_kv_transfer_pages_total") > before
     no_failures(decode_url)
     wait_for_zero_pages([prefill_url, decode_url])
+
+
+# ---- MLA (a tiny DeepseekV3-shaped checkpoint: latent KV, MoE) with an FP8 decode pool ----------------
+
+
+@pytest.fixture(scope="module")
+def mla_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("pd_mla")
+    model = make_tiny_model(root / "tiny_mla", "deepseek_v3")
+    os.environ["HEARTH_KV_TRANSFER_SECRET"] = SECRET
+    os.environ["HEARTH_CPU_KERNELS"] = "0"
+    fp8 = ["--kv-cache-dtype", "fp8_e4m3"]
+    decode = ["--role", "decode", "--kv-transfer-timeout", "20"]
+    servers = {
+        "mixed": serve(model, root / "mixed.log", *TP1),
+        "mixed_fp8": serve(model, root / "mixed_fp8.log", *TP1, *fp8),
+        "prefill_tp2": serve(model, root / "prefill_tp2.log", "--role", "prefill", *TP2),
+        "decode_tp1": serve(model, root / "decode_tp1.log", *decode, *TP1),
+        "decode_fp8": serve(model, root / "decode_fp8.log", *decode, *TP1, *fp8),
+    }
+    for server in servers.values():
+        server.start()
+    try:
+        for server in servers.values():
+            server.wait_ready(timeout_s=900)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+        os.environ.pop("HEARTH_KV_TRANSFER_SECRET", None)
+        os.environ.pop("HEARTH_CPU_KERNELS", None)
+
+
+def pd_complete(prefill_url: str, decode_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One request through a prefill and a decode server, sent by hand as the router would."""
+    transfer_id = f"t-{random.getrandbits(64):x}"
+    prefill_body = {
+        **body,
+        "max_tokens": 1,
+        "kv_transfer": {"role": "prefill", "transfer_id": transfer_id, "decode_url": decode_url},
+    }
+    decode_body = {
+        **body,
+        "kv_transfer": {"role": "decode", "transfer_id": transfer_id, "prefill_url": prefill_url},
+    }
+
+    async def both() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(
+                client.post(prefill_url + "/v1/completions", json=prefill_body),
+                client.post(decode_url + "/v1/completions", json=decode_body),
+            )
+
+    prefill_answer, decode_answer = asyncio.run(both())
+    assert prefill_answer.status_code == decode_answer.status_code == 200, decode_answer.text
+    assert prefill_answer.json()["kv_transfer"]["status"] == "sent"
+    return decode_answer.json()
+
+
+MLA_PROMPTS = [f"Latent pages number {i} cross the wire " * (4 + i) for i in range(4)]
+
+
+def test_mla_latent_from_tp2_prefill_to_one_rank_decode_is_exact(mla_deployment: dict[str, Any]) -> None:
+    prefill, decode, mixed = (
+        mla_deployment["prefill_tp2"],
+        mla_deployment["decode_tp1"],
+        mla_deployment["mixed"],
+    )
+    for prompt in MLA_PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        got = pd_complete(prefill.url, decode.url, body)
+        assert got["choices"][0]["text"] == post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+    assert metric(decode.url, "hearth_kv_transfer_pages_total") > 0
+    no_failures(decode.url)
+
+
+def test_mla_latent_converted_into_an_fp8_decode_pool(mla_deployment: dict[str, Any]) -> None:
+    """A float32 latent from a TP=2 prefill server, quantized by the decode server with its own scale.
+    PD and an FP8 mixed server compute the prompt's latent differently (float32 then quantized, vs
+    quantized as each chunk is written), so the first answer token (computed straight from the moved
+    KV) is compared, with its probability."""
+    prefill, decode, mixed = (
+        mla_deployment["prefill_tp2"],
+        mla_deployment["decode_fp8"],
+        mla_deployment["mixed_fp8"],
+    )
+    agree = 0
+    for prompt in MLA_PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1}
+        got = pd_complete(prefill.url, decode.url, body)["choices"][0]["logprobs"]
+        want = post(mixed.url, "/v1/completions", body)["choices"][0]["logprobs"]
+        if got["tokens"] == want["tokens"]:
+            agree += 1
+            assert abs(got["token_logprobs"][0] - want["token_logprobs"][0]) < 0.1
+    assert agree >= len(MLA_PROMPTS) - 1, agree
+    assert metric(decode.url, "hearth_kv_transfer_pages_total") > 0
+    no_failures(decode.url)
