@@ -4,8 +4,11 @@ one-rank server computing the same requests (greedy, float32).
 
 - same sizes (prefill TP=2 -> decode TP=2) through a real `hearth route`;
 - different sizes, sent by hand as the router would: prefill TP=2 -> decode TP=1 (the prefill ranks' heads
-  are re-assembled) and prefill TP=1 -> decode TP=2 (each decode rank gets the heads it holds).
-No transfer may fail and no prompt token may be recomputed: every answer comes from moved KV.
+  are re-assembled) and prefill TP=1 -> decode TP=2 (each decode rank gets the heads it holds);
+- pipeline parallelism (prefill PP=2 -> decode PP=2: each stage sends its layers);
+- MLA (latent KV) from a TP=2 prefill into a one-rank decode server, float32 and FP8.
+No transfer may fail and no prompt token may be recomputed: every answer comes from moved KV. Layouts that
+cannot be re-assembled (different pipeline splits) are refused at once and recomputed, never wrong.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from tiny_models import make_tiny_model
 SECRET = "pd-parallel-secret"
 TP2 = ["--tensor-parallel-size", "2", "--dtype", "float32"]
 TP1 = ["--dtype", "float32"]
+PP2 = ["--pipeline-parallel-size", "2", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,10 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         "prefill_tp1": serve(model, root / "prefill_tp1.log", "--role", "prefill", *TP1),
         "decode_tp1": serve(
             model, root / "decode_tp1.log", "--role", "decode", "--kv-transfer-timeout", "20", *TP1
+        ),
+        "prefill_pp2": serve(model, root / "prefill_pp2.log", "--role", "prefill", *PP2),
+        "decode_pp2": serve(
+            model, root / "decode_pp2.log", "--role", "decode", "--kv-transfer-timeout", "20", *PP2
         ),
     }
     for server in servers.values():
@@ -217,3 +225,57 @@ def test_mla_latent_converted_into_an_fp8_decode_pool(mla_deployment: dict[str, 
     assert agree >= len(MLA_PROMPTS) - 1, agree
     assert metric(decode.url, "hearth_kv_transfer_pages_total") > 0
     no_failures(decode.url)
+
+
+def test_pp2_prefill_to_pp2_decode_each_stage_sends_its_layers(deployment: dict[str, Any]) -> None:
+    prefill_url, decode_url, mixed = (
+        deployment["prefill_pp2"].url,
+        deployment["decode_pp2"].url,
+        deployment["mixed"],
+    )
+    body = {"prompt": "Stages hand their layers over " * 10, "max_tokens": 8, "temperature": 0}
+    got = pd_complete(prefill_url, decode_url, body)
+    assert got["choices"][0]["text"] == post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert metric(decode_url, "hearth_kv_transfer_pages_total") > 0
+    no_failures(decode_url)
+
+
+def test_different_pipeline_layouts_recompute_never_a_wrong_token(deployment: dict[str, Any]) -> None:
+    """Prefill PP=2 -> decode TP=2 cannot be re-assembled: the send is refused at once, the decode server
+    recomputes the prompt, and the answer is still one rank's."""
+    prefill_url, decode_url, mixed = (
+        deployment["prefill_pp2"].url,
+        deployment["decode_tp2"].url,
+        deployment["mixed"],
+    )
+    failures = metric(decode_url, "hearth_kv_transfer_failures_total")
+    body = {"prompt": "Mismatched layouts are recomputed " * 8, "max_tokens": 8, "temperature": 0}
+    transfer_id = f"mismatch-{random.getrandbits(64):x}"
+    prefill_body = {
+        **body,
+        "max_tokens": 1,
+        "kv_transfer": {"role": "prefill", "transfer_id": transfer_id, "decode_url": decode_url},
+    }
+    decode_body = {
+        **body,
+        "kv_transfer": {"role": "decode", "transfer_id": transfer_id, "prefill_url": prefill_url},
+    }
+
+    async def both() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                client.post(prefill_url + "/v1/completions", json=prefill_body),
+                client.post(decode_url + "/v1/completions", json=decode_body),
+            )
+
+    prefill_answer, decode_answer = asyncio.run(both())
+    assert prefill_answer.status_code == decode_answer.status_code == 200, decode_answer.text
+    assert prefill_answer.json()["kv_transfer"]["status"] == "failed"
+    assert (
+        decode_answer.json()["choices"][0]["text"]
+        == post(mixed.url, "/v1/completions", body)["choices"][0]["text"]
+    )
+    assert metric(decode_url, "hearth_kv_transfer_failures_total") == failures + 1
+    assert metric(decode_url, "hearth_kv_recomputed_tokens_total") > 0
+    wait_for_zero_pages([prefill_url, decode_url])
