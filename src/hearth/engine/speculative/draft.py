@@ -171,7 +171,16 @@ def _build(
             f"--speculative-model {config.speculative_model}: its vocabulary ({draft_config.vocab_size}) is "
             f"smaller than the target's ({sample_vocab_size}); a draft model must share the target's tokenizer"
         )
-    worker_config = dataclasses.replace(config, model=config.speculative_model, speculative_method=None)
+    # The draft's KV stays in its own pool: no tiers, no PD transfer of its own (the target's worker has them).
+    worker_config = dataclasses.replace(
+        config,
+        model=config.speculative_model,
+        speculative_method=None,
+        role="mixed",
+        kv_offload_memory_gib=0.0,
+        kv_disk_dir=None,
+        kv_store=None,
+    )
     layout = kv_layout_for(worker_config, draft_config, dtype)
     # As many tokens as the target's cache, plus a page per sequence for the drafts past the target's tokens.
     num_draft_pages = num_pages + config.max_num_seqs
