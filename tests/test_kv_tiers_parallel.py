@@ -70,3 +70,13 @@ def test_ranks_share_pages_through_redis_one_key_per_shard(tiny_llama: Path, ref
     assert [r["tokens"] for r in runs] == [reference[0]["tokens"]] * 2
     assert [r["cached"] for r in runs] == [0, 96]
     assert redis.Redis.from_url(redis_server.url).dbsize() == 2 * 6  # each rank's shard of A's 6 pages
+
+
+def test_mla_latent_pages_come_back_from_host_ram_under_tensor_parallelism(tiny_model_factory):
+    """A DeepseekV3-shaped model caches one latent per token, whole on every TP rank: each rank keeps its
+    copy in its own host RAM and loads it back."""
+    model = tiny_model_factory("deepseek_v3")
+    one_rank = scenario(model, "host", {})
+    runs = scenario(model, "host", TP2)
+    assert [r["tokens"] for r in runs] == [r["tokens"] for r in one_rank]
+    assert runs[2]["cached"] == one_rank[2]["cached"] == 96
