@@ -219,12 +219,8 @@ class KVWorker:
         peer = PeerRanks.parse(op.endpoint)
         if self.transport is None:
             self._send_failed(op, "this server has no KV transport")
-        elif (peer.tp_size, peer.pp_size) == (self.tp_size, self.pp_size) and len(
-            peer.endpoints
-        ) == self.world_size:
-            self._sends[op.transfer_id] = (
-                op.request_id
-            )  # rank r sends its shard to the decode server's rank r
+        elif self._same_layout(peer):  # rank r sends its shard to the decode server's rank r
+            self._sends[op.transfer_id] = op.request_id
             source = PoolPageSource(self.io, list(op.page_ids))
             self.transport.send(
                 SendSpec(op.transfer_id, peer.endpoints[self.rank], source, op.num_tokens, op.prompt_hash)
@@ -237,6 +233,10 @@ class KVWorker:
                 f"pipeline-parallel layouts must match for PD transfer (this server pp {self.pp_size}, the decode "
                 f"server pp {peer.pp_size})",
             )
+
+    def _same_layout(self, peer: PeerRanks) -> bool:
+        same_sizes = (peer.tp_size, peer.pp_size) == (self.tp_size, self.pp_size)
+        return same_sizes and len(peer.endpoints) == self.world_size
 
     def _send_failed(self, op: PeerSend, detail: str) -> None:
         logger.warning("KV transfer %s not sent: %s", op.transfer_id, detail)
@@ -254,9 +254,12 @@ class KVWorker:
         """Tensor-parallel sizes differ: rank 0 assembles every page's heads (a gather over the ranks, in
         this same op on every rank) and sends each decode rank the heads it holds."""
         layout = self.io.layout
-        pages = self.io.read(list(op.page_ids))
+        gather = layout.kind != "latent" and self.tp_size > 1  # a latent is whole on every rank: rank 0's
+        pages: torch.Tensor | None = None
         scales = self.io.scales
-        if layout.kind != "latent" and self.tp_size > 1:
+        if gather or self.rank == 0:
+            pages = self.io.read(list(op.page_ids))
+        if gather:
             pages, scales = _gather_heads(pages, scales, layout)
         if self.rank != 0:
             self._events.append(
