@@ -10,8 +10,9 @@ would make the two engines' greedy tokens differ by construction). Three parts:
    projection) and with the per-expert loop, against the token-by-token reference, for several token
    counts (decode batches and a prefill chunk): time and relative error against float32;
 2. end to end, greedy, `--input-len` prompt and `--output-len` new tokens per request, at each batch
-   size: transformers `generate` vs Hearth's `LLM.generate` (grouped MoE on, and off), output tokens/s
-   and how many tokens Hearth's output shares with transformers' (bf16 on both: near-ties may differ);
+   size: transformers `generate` vs Hearth's `LLM.generate` with decode CUDA graphs (the default on
+   CUDA) and with `enforce_eager=True`, output tokens/s and how many tokens Hearth's output shares with
+   transformers' (bf16 on both: near-ties may differ);
 3. a table of ratios last.
 
     python scripts/bench_gpu_moe.py                                   # on a GPU
@@ -25,7 +26,6 @@ import json
 import shutil
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -162,7 +162,7 @@ def hf_generate(model, device: torch.device, prompts: torch.Tensor, output_len: 
 def hearth_generate(llm: LLM, prompts: torch.Tensor, output_len: int) -> tuple[float, list]:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     token_lists = prompts.tolist()
-    llm.generate(token_lists[:1], params)  # warm-up
+    llm.generate(token_lists, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     results = llm.generate(token_lists, params)
     seconds = time.perf_counter() - start
@@ -251,48 +251,57 @@ def main() -> None:
     del hf_model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    llm = LLM(
-        str(args.dir),
-        device=args.device,
-        dtype="bfloat16",
-        kv_cache_memory_gib=8.0 if not args.tiny else 0.25,
-    )
-    for label, grouped in (("hearth", None), ("hearth expert_loop", False)):
-        patch = (
-            mock.patch.object(moe_ops, "grouped_mm_pays", lambda hidden: False) if grouped is False else None
+    llm = None
+    for label, eager in (("hearth eager", True), ("hearth", False)):
+        del llm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        start = time.perf_counter()
+        llm = LLM(
+            str(args.dir),
+            device=args.device,
+            dtype="bfloat16",
+            kv_cache_memory_gib=8.0 if not args.tiny else 0.25,
+            max_num_seqs=max(batch_sizes),
+            enforce_eager=eager,
         )
-        if patch:
-            patch.start()
-        try:
-            for batch in batch_sizes:
-                seconds, tokens = hearth_generate(llm, all_prompts[:batch], args.output_len)
-                row = {
-                    "batch": batch,
-                    "engine": label,
-                    "tok_s": batch * args.output_len / seconds,
-                    "shared_with_transformers": shared_prefix_fraction(tokens, hf_outputs[batch]),
-                }
-                end_to_end.append(row)
-                print(
-                    f"{label} batch {batch}: {row['tok_s']:.1f} tok/s, "
-                    f"{row['shared_with_transformers']:.1%} of tokens before the first difference",
-                    flush=True,
-                )
-        finally:
-            if patch:
-                patch.stop()
+        graphs = llm.engine.worker.decode_graphs
+        results[f"{label}_start_s"] = time.perf_counter() - start
+        if graphs is not None:
+            results["graphs"] = {"sizes": graphs.sizes, "capture_s": graphs.capture_s,
+                                 "capture_MiB": graphs.capture_bytes / 2**20}  # fmt: skip
+            print(
+                f"graphs: {graphs.sizes} captured in {graphs.capture_s:.2f} s, {graphs.capture_bytes / 2**20:.0f} MiB"
+            )
+        elif not eager:
+            print("graphs: NOT captured (see the log); the 'hearth' rows below ran eagerly")
+        for batch in batch_sizes:
+            seconds, tokens = hearth_generate(llm, all_prompts[:batch], args.output_len)
+            row = {
+                "batch": batch,
+                "engine": label,
+                "tok_s": batch * args.output_len / seconds,
+                "shared_with_transformers": shared_prefix_fraction(tokens, hf_outputs[batch]),
+            }
+            end_to_end.append(row)
+            print(
+                f"{label} batch {batch}: {row['tok_s']:.1f} tok/s, "
+                f"{row['shared_with_transformers']:.1%} of tokens before the first difference",
+                flush=True,
+            )
     results["end_to_end"] = end_to_end
     if args.profile:
         profile_batch_one(llm, all_prompts[:1], Path(args.profile))
     print(
-        "\nbatch | transformers tok/s | hearth tok/s | hearth/transformers | hearth expert_loop tok/s | shared"
+        "\nbatch | transformers tok/s | hearth graphs tok/s | graphs/transformers | hearth eager tok/s | eager/transformers | shared"
     )
     for batch in batch_sizes:
         by = {r["engine"]: r for r in end_to_end if r["batch"] == batch}
+        hf = by["transformers"]["tok_s"]
         print(
-            f"{batch:5d} | {by['transformers']['tok_s']:18.1f} | {by['hearth']['tok_s']:12.1f} | "
-            f"{by['hearth']['tok_s'] / by['transformers']['tok_s']:19.2f} | "
-            f"{by['hearth expert_loop']['tok_s']:24.1f} | {by['hearth']['shared_with_transformers']:.1%}"
+            f"{batch:5d} | {hf:18.1f} | {by['hearth']['tok_s']:19.1f} | {by['hearth']['tok_s'] / hf:19.2f} | "
+            f"{by['hearth eager']['tok_s']:18.1f} | {by['hearth eager']['tok_s'] / hf:18.2f} | "
+            f"{by['hearth']['shared_with_transformers']:.1%}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

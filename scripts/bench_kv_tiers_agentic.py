@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -143,6 +145,8 @@ def main() -> None:
         "--only-two-servers", action="store_true", help="just the affinity and round_robin+redis runs"
     )
     args = parser.parse_args()
+    # A shared store's pages carry MACs under the deployment secret (hearth.kv.tiers.blob_auth).
+    os.environ.setdefault("HEARTH_KV_TRANSFER_SECRET", secrets.token_hex(16))
     work = Path(tempfile.mkdtemp(prefix="hearth-kv-agentic-"))
     bytes_per_page, page_size = page_bytes(args.model)
     results: dict[str, dict] = {}

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import secrets
 import statistics
 import tempfile
 import time
@@ -49,6 +51,8 @@ def main() -> None:
     parser.add_argument("--redis", default=None, help="redis://host:port (omit to skip the Redis tier)")
     parser.add_argument("--out", default="bench-results/kv-tiers-ttft.json")
     args = parser.parse_args()
+    # A shared store's pages carry MACs under the deployment secret (hearth.kv.tiers.blob_auth).
+    os.environ.setdefault("HEARTH_KV_TRANSFER_SECRET", secrets.token_hex(16))
 
     probe = LLM(args.model, device="cpu", num_threads=args.threads)
     page_size = probe.engine.config.page_size
@@ -99,7 +103,6 @@ def main() -> None:
         "samples_s": samples,
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "samples_s"}, indent=2))
-    import os
 
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as file:

@@ -30,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import secrets
 import select
 import statistics
 import time
@@ -124,7 +125,7 @@ def main() -> None:
     cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}  # sender + receiver CPU seconds
     for repeat in range(args.repeats + 1):  # the first round warms up (connections, page faults)
         for name, receiver in receivers.items():
-            transfer_id = f"bench-{name}-{repeat}"
+            transfer_id = secrets.token_hex(16)  # as the router makes them
             receiver.open_receive(ReceiveSpec(transfer_id, 0, pages, args.pages * args.page_size - 1, 0))
             started, cpu_started = time.perf_counter(), time.process_time()
             jobs.put((name, transfer_id, endpoints[name]))

@@ -9,6 +9,7 @@ hits them alike; the report gives ratios to the no-speculation baseline of the s
     python scripts/bench_speculative.py --batch-size 1 --methods ngram eagle3 --fixed-k  # accepted length at K
     python scripts/bench_speculative.py --batch-size 1 --methods draft@4 draft@8  # K per configuration
     python scripts/bench_speculative.py --model M --speculative-model D --random-prompts 200  # any model
+    python scripts/bench_speculative.py --trace agentic --num-prompts 4 --methods ngram suffix@8  # multi-turn
 """
 
 from __future__ import annotations
@@ -40,8 +41,15 @@ def tool_call_prompts(model_dir: Path, num_prompts: int, seed: int) -> list[list
     ]
 
 
-def run_batch(llm: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: bool) -> dict[str, float]:
-    """All prompts at once; output tokens, wall time, and decode time (after each request's first token)."""
+def run_batch(
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    ignore_eos: bool,
+    answers: list[list[int]] | None = None,
+) -> dict[str, float]:
+    """All prompts at once; output tokens, wall time, and decode time (after each request's first token).
+    `answers`, when given, gets each prompt's output token ids appended (in prompt order)."""
     from hearth import SamplingParams
     from hearth.engine.messages import EngineRequest
 
@@ -56,6 +64,7 @@ def run_batch(llm: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: b
         engine.add_request(EngineRequest(request_id, prompt, params))
     done = 0
     first_cpu: float | None = None  # CPU clock at the batch's first token: prefill before, decode after
+    collected: dict[str, list[int]] = {}
     while done < len(prompts):
         outputs = engine.step()
         now = time.perf_counter()
@@ -65,9 +74,13 @@ def run_batch(llm: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: b
                     first_cpu = time.process_time()
                 first_at.setdefault(out.request_id, now)
                 counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+                if answers is not None:
+                    collected.setdefault(out.request_id, []).extend(out.new_token_ids)
             done += out.finished
     elapsed = time.perf_counter() - started
     cpu_s = time.process_time() - cpu_started
+    if answers is not None:
+        answers.extend(collected.get(request_id, []) for request_id in ids)
     output_tokens = sum(counts.values())
     decode_tokens = output_tokens - len(prompts)
     decode_s = elapsed - (min(first_at.values()) - started) if first_at else elapsed
@@ -96,6 +109,44 @@ def measure(
         part = run_batch(llm, prompts[start : start + batch_size], max_tokens, ignore_eos)
         for key in totals:
             totals[key] += part[key]
+    return totals
+
+
+def measure_trace(
+    llm: Any, kind: str, num_conversations: int, batch_size: int, max_tokens: int, answers: list[list[int]]
+) -> dict[str, float]:
+    """The multi-turn trace (`spec_traces`), `batch_size` conversations in lockstep: each turn of the group
+    is one batch, rendered from the history including the group's previous answers."""
+    import spec_traces
+
+    from hearth.server.chat_template import ChatTemplate
+
+    template = ChatTemplate.from_dir(llm.engine.config.model)
+    tokenizer = llm.tokenizer
+    totals: dict[str, float] = {}
+    group_list = spec_traces.conversations(kind, num_conversations)
+    for start in range(0, len(group_list), batch_size):
+        group = group_list[start : start + batch_size]
+        pending = [(conv, conv.start()) for conv in group]
+        while pending:
+            prompts = [
+                tokenizer.encode(
+                    template.render(messages, tools=spec_traces.TOOLS if kind == "agentic" else None),
+                    add_special_tokens=False,
+                )
+                for _, messages in pending
+            ]
+            turn_answers: list[list[int]] = []
+            part = run_batch(llm, prompts, max_tokens, False, turn_answers)
+            for key, value in part.items():
+                totals[key] = totals.get(key, 0.0) + value
+            answers.extend(turn_answers)
+            nexts = []
+            for (conv, _), tokens in zip(pending, turn_answers, strict=True):
+                messages = conv.answered(tokenizer.decode(tokens, skip_special_tokens=True))
+                if messages is not None:
+                    nexts.append((conv, messages))
+            pending = nexts
     return totals
 
 
@@ -138,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         "--random-prompts", type=int, default=0, help="random token prompts of this length instead"
     )
     parser.add_argument("--num-threads", type=int, default=1, help="1: CPU time is then a fair clock")
+    parser.add_argument(
+        "--trace",
+        choices=["tool-calls", "agentic", "chat"],
+        default="tool-calls",
+        help="tool-calls: single-turn held-out demo prompts; agentic / chat: multi-turn closed loops "
+        "(scripts/spec_traces.py) of --num-prompts conversations",
+    )
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--output-json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -154,10 +213,13 @@ def main(argv: list[str] | None = None) -> int:
             [rng.randrange(vocab) for _ in range(args.random_prompts)] for _ in range(args.num_prompts)
         ]
         ignore_eos = True
-    else:
+    elif args.trace == "tool-calls":
         prompts = tool_call_prompts(args.model, args.num_prompts, args.seed)
         ignore_eos = False
-    common = dict(num_threads=args.num_threads, kv_cache_memory_gib=0.5)
+    else:
+        prompts = []
+        ignore_eos = False
+    common = dict(num_threads=args.num_threads, kv_cache_memory_gib=0.5, dtype=args.dtype)
     configs: dict[str, dict[str, Any]] = {"none": {}}
     for name in args.methods:
         # "draft@8": the method with its own K (several K of one method compared in one run).
@@ -166,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             speculative_method=method,
             speculative_model=(
                 None
-                if method == "ngram"
+                if method in ("ngram", "suffix")
                 else str(args.eagle3_model if method == "eagle3" else args.speculative_model)
             ),
             num_speculative_tokens=int(k) if k else args.num_speculative_tokens,
@@ -182,20 +244,37 @@ def main(argv: list[str] | None = None) -> int:
             speculator.adaptive = False
         propose_time[name] = [0.0, 0]
         speculator.proposer.propose = _timed(speculator.proposer.propose, propose_time[name])
-    for llm in engines.values():  # warm-up: kernels, allocator, first-call paths
-        measure(llm, prompts[:2], args.batch_size, 8, ignore_eos)
     from hearth.ops import cpu_kernels
 
     cpu_kernels.paged_decode_attention_kernel(wait=True)
+    for llm in engines.values():  # warm-up: kernels, allocator, first-call paths
+        if prompts:
+            measure(llm, prompts[:2], args.batch_size, 8, ignore_eos)
+        else:
+            measure_trace(llm, args.trace, 1, 1, 8, [])
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    answers: dict[str, list[list[int]]] = {}
     load_before = os.getloadavg()
     for _ in range(args.rounds):
         for name, llm in engines.items():
             llm.engine.kv.reset_prefix_cache()
-            rounds[name].append(measure(llm, prompts, args.batch_size, args.max_tokens, ignore_eos))
+            proposer = llm.engine.speculator.proposer if llm.engine.speculator is not None else None
+            if hasattr(proposer, "forget"):
+                proposer.forget()  # every round starts with no earlier answers learned (the same trace again)
+            if prompts:
+                rounds[name].append(measure(llm, prompts, args.batch_size, args.max_tokens, ignore_eos))
+            else:
+                answers[name] = []
+                rounds[name].append(
+                    measure_trace(
+                        llm, args.trace, args.num_prompts, args.batch_size, args.max_tokens, answers[name]
+                    )
+                )
     report: dict[str, Any] = {
+        "trace": args.trace,
+        "model": str(args.model),
         "batch_size": args.batch_size,
-        "num_prompts": len(prompts),
+        "num_prompts": len(prompts) or args.num_prompts,  # traces: conversations
         "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "fixed_k": args.fixed_k,
         "configs": {},
@@ -242,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         print(name, json.dumps(entry))
     same = all(r["output_tokens"] == base[-1]["output_tokens"] for r in (v[-1] for v in rounds.values()))
     report["same_output_token_counts"] = same
+    if answers:
+        report["same_answers"] = all(tokens == answers["none"] for tokens in answers.values())
+        print("identical answers across configurations:", report["same_answers"])
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(report, indent=2) + "\n")

@@ -16,6 +16,11 @@ Phases (each a row of the table):
   (goal < 10%; enforced in full mode; `--soak-requests` sets its length).
 - router-kill: `hearth route` in front of two workers, one SIGKILLed mid-load: no request may be lost.
   Full mode uses a second real server; short mode two fake workers (scripts/router_fake_worker.py).
+- pd-hostile: prefill (disk + Redis tiers) and decode servers (TP 2 on the decode side in full mode) behind
+  the router, serving while attacked as in issue 30: a client-written kv_transfer (403), every Redis blob
+  forged (another key's blob, its key rewritten), 300 oversized Hellos and slow-drip handshakes on the KV
+  listener, a 100 KiB header at the router (431). Every answer must equal the deployment's before the
+  attacks; drips cut within 15 s, the decode log and engine RSS stay bounded.
 - sigterm: SIGTERM under load with --shutdown-timeout: requests that fit finish (200), the rest end with an
   error the client can read (JSON 503, or an SSE error event then [DONE]); exit code 0, no traceback.
 
@@ -82,10 +87,11 @@ class Sizes:
     soak: int
     router: int
     strict_timing: bool  # enforce the stall and RSS goals (the full mode)
+    pd: int = 8  # distinct PD requests, each sent before, during and after the attacks
 
 
-FULL = Sizes(10_000, 1_000, 200, 10 * 1024 * 1024, 3_000, 300, strict_timing=True)
-SHORT = Sizes(150, 30, 40, 2 * 1024 * 1024, 30, 40, strict_timing=False)
+FULL = Sizes(10_000, 1_000, 200, 10 * 1024 * 1024, 3_000, 300, strict_timing=True, pd=48)
+SHORT = Sizes(150, 30, 40, 2 * 1024 * 1024, 30, 40, strict_timing=False, pd=6)
 
 
 def scaled(sizes: Sizes, scale: float) -> Sizes:
@@ -98,6 +104,7 @@ def scaled(sizes: Sizes, scale: float) -> Sizes:
         max(10, round(sizes.soak * scale)),
         max(10, round(sizes.router * scale)),
         sizes.strict_timing,
+        max(4, round(sizes.pd * scale)),
     )
 
 
@@ -641,6 +648,239 @@ async def phase_sigterm(server: ServerProcess) -> Row:
     return _finish(row)  # fmt: skip
 
 
+# ---- a hostile PD + tiers deployment (issue 30) ----------------------------------------------------
+
+
+def _redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            import socket
+
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return process
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+def _tier_metric(url: str, name: str, tier: str) -> float:
+    import re
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    match = re.search(rf'^hearth_{name}\{{[^}}]*tier="{tier}"[^}}]*\}} ([0-9.e+-]+)$', text, re.M)
+    return float(match.group(1)) if match else -1.0
+
+
+def _forge_redis_blobs(url: str) -> int:
+    """Every page blob in the store replaced by another key's, its key bytes rewritten (issue 30's forgery)."""
+    import redis
+
+    from hearth.kv.tiers.blob_auth import OVERHEAD_BYTES
+    from hearth.kv.tiers.page_format import _HEADER
+
+    client = redis.Redis.from_url(url)
+    names = sorted(client.keys("hearth:kv:*"))
+    forged = 0
+    for name, donor in zip(names, names[1:] + names[:1], strict=True):
+        if name == donor:
+            continue
+        blob = bytearray(client.get(donor) or b"")
+        key = bytes.fromhex(name.decode().removeprefix("hearth:kv:"))
+        start = OVERHEAD_BYTES + _HEADER.size - len(key) - 16
+        blob[start : start + len(key)] = key
+        client.set(name, bytes(blob))
+        forged += 1
+    client.close()
+    return forged
+
+
+def _hello_flood(endpoint: str, count: int) -> None:
+    import socket
+
+    from hearth.kv_transfer import tcp
+
+    host, port = tcp.parse_endpoint(endpoint)
+    hello = tcp._encoder.encode(tcp.Hello(tcp.PROTOCOL_VERSION, "x\nFORGED LOG LINE\n" * 60000, b"n" * 32))
+    for _ in range(count):
+        try:
+            with socket.create_connection((host, port), timeout=5) as sock:
+                sock.sendall(tcp._LENGTH.pack(len(hello)) + hello[: 1 << 20])
+        except OSError:
+            pass  # cut while still sending: the point
+
+
+def _slow_drips(endpoint: str, count: int) -> list[float]:
+    """Seconds each dripping handshake stayed open (a byte every 0.5 s)."""
+    import socket
+
+    from hearth.kv_transfer import tcp
+
+    host, port = tcp.parse_endpoint(endpoint)
+    hello = tcp._encoder.encode(tcp.Hello(tcp.PROTOCOL_VERSION, "0" * 32, b"n" * 32))
+    frame = tcp._LENGTH.pack(len(hello)) + hello
+    socks = [socket.create_connection((host, port), timeout=5) for _ in range(count)]
+    opened = time.monotonic()
+    lasted: dict[int, float] = {}
+    for byte in frame * 4:
+        for index, sock in enumerate(socks):
+            if index in lasted:
+                continue
+            try:
+                sock.sendall(bytes([byte]))
+                sock.settimeout(0.01)
+                if sock.recv(1) == b"":
+                    lasted[index] = time.monotonic() - opened
+            except (TimeoutError, BlockingIOError):
+                pass
+            except OSError:
+                lasted[index] = time.monotonic() - opened
+        if len(lasted) == count or time.monotonic() - opened > 60:
+            break
+        time.sleep(0.5)
+    for sock in socks:
+        sock.close()
+    return [lasted.get(i, float("inf")) for i in range(count)]
+
+
+async def phase_pd_hostile(count: int, tensor_parallel: int, workdir: Path, model: str | None) -> Row:
+    """Prefill (disk + Redis tiers) and decode servers (TP on the decode side in full mode) behind the
+    router, under issue 30's attacks while serving: client-written kv_transfer instructions, forged Redis
+    blobs, a Hello flood and slow drips on the KV listener, oversized headers and Content-Length at the
+    router. Every answer must equal the one the deployment gave before the attacks."""
+    import os
+    import secrets
+
+    row = Row("pd-hostile")
+    redis_port = free_port()
+    store = f"redis://127.0.0.1:{redis_port}"
+    redis_process = _redis(redis_port, workdir)
+    os.environ.setdefault("HEARTH_KV_TRANSFER_SECRET", secrets.token_hex(32))  # children inherit it
+    common = ["--model", model] if model else []
+    common += ["--kv-cache-memory", "0.05", "--max-num-seqs", str(MAX_NUM_SEQS)]
+    prefill = ServerProcess([*common, "--role", "prefill", "--kv-store", store], workdir / "pd-prefill.log")
+    decode_args = [*common, "--role", "decode", "--kv-transfer-timeout", "5", "--kv-store", store]
+    decode_args += ["--kv-disk-dir", str(workdir / "disk"), "--kv-disk-size", "0.05"]
+    if tensor_parallel > 1:
+        decode_args += ["--tensor-parallel-size", str(tensor_parallel)]
+    decode = ServerProcess(decode_args, workdir / "pd-decode.log")
+    router_port = free_port()
+    router_log = (workdir / "pd-router.log").open("wb")
+    router: subprocess.Popen[bytes] | None = None
+    try:
+        prefill.start()
+        decode.start()
+        prefill.wait_ready(900)
+        decode.wait_ready(900)
+        router = subprocess.Popen(
+            [sys.executable, "-m", "hearth.cli", "route", "--port", str(router_port), "--prefill", prefill.url,
+             "--decode", decode.url, "--health-interval-s", "0.2"],
+            stdout=router_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        router_url = f"http://127.0.0.1:{router_port}"
+
+        async def both_healthy() -> None:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(router_url + "/health", timeout=2).json()["healthy_workers"] == 2:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the router did not see both servers healthy")
+                await asyncio.sleep(0.1)
+
+        await both_healthy()
+        bodies = [
+            {"prompt": f"{i} shared system prompt for the hostile deployment " * 12, "max_tokens": 8, "temperature": 0}
+            for i in range(count)
+        ]  # fmt: skip
+        async with httpx.AsyncClient(base_url=router_url, timeout=CLIENT_TIMEOUT_S) as client:
+
+            async def answers() -> list[str | None]:
+                out: list[str | None] = [None] * len(bodies)
+
+                async def one(index: int) -> None:
+                    response = await _send(client, "/v1/completions", json.dumps(bodies[index]).encode(), row)
+                    if response is not None and response.status_code == 200:
+                        out[index] = response.json()["choices"][0]["text"]
+
+                await _bounded(4, [lambda i=i: one(i) for i in range(len(bodies))])
+                return out
+
+            before = await answers()
+            if None in before:
+                row.fail("requests failed before any attack")
+            endpoint = httpx.get(decode.url + "/kv_transfer/endpoint", timeout=10).json()["endpoint"]
+            decode_log_bytes = len(decode.log())
+            core = psutil.Process(decode.process.pid).children()[0]  # type: ignore[union-attr]
+            core_rss = core.memory_info().rss
+            # -- the attacks, while the same requests are served again --
+            refused = httpx.post(
+                prefill.url + "/v1/completions",
+                json={**bodies[0], "kv_transfer": {"role": "prefill", "transfer_id": "0" * 32, "decode_url": router_url}},
+                timeout=30,
+            ).status_code  # fmt: skip
+            if refused != 403:
+                row.fail(f"a client-written kv_transfer got {refused}, not 403")
+            forged = _forge_redis_blobs(store)
+            # A fresh prefill server finds the prompts' pages only in Redis, all of them forged now.
+            prefill.stop()
+            prefill.start()
+            prefill.wait_ready(900)
+            await both_healthy()
+            big_header = httpx.get(router_url + "/health", headers={"x-big": "a" * (100 * 1024)}, timeout=10)
+            if big_header.status_code != 431:
+                row.fail(f"a 100 KiB header got {big_header.status_code}, not 431")
+            loop = asyncio.get_running_loop()
+            flood = loop.run_in_executor(None, _hello_flood, endpoint, 300)
+            drips = loop.run_in_executor(None, _slow_drips, endpoint, 8)
+            during = await answers()
+            await flood
+            lasted = await drips
+            after = await answers()
+            for name, got in (("during", during), ("after", after)):
+                wrong = sum(1 for a, b in zip(before, got, strict=True) if a != b)
+                if wrong:
+                    row.fail(f"{wrong} answers {name} the attacks differ from before them")
+            invalid = _tier_metric(prefill.url, "kv_tier_invalid_pages_total", "redis")
+            if forged and invalid <= 0:
+                row.fail("no forged blob was read: the attack did not reach the tier")
+            if max(lasted) > 15:
+                row.fail(f"a slow-drip handshake stayed open {max(lasted):.0f} s")
+            grown_log = len(decode.log()) - decode_log_bytes
+            if "FORGED LOG LINE" in decode.log() or grown_log > 20_000:
+                row.fail(f"the decode log grew {grown_log} bytes or carries a peer's bytes")
+            grown_rss = core.memory_info().rss - core_rss
+            if grown_rss > 64 << 20:
+                row.fail(f"the decode engine core grew {grown_rss >> 20} MiB under the flood")
+            row.notes.append(
+                f"{forged} blobs forged ({invalid:.0f} refused), 300 Hellos, drips cut after {max(lasted):.1f} s, decode log +{grown_log} B, "
+                f"core RSS {grown_rss / 2**20:+.0f} MiB"
+            )
+        for server in (prefill, decode):
+            if server.process is None or server.process.poll() is not None:
+                row.crashes += 1
+                row.fail(f"{server.log_path.name}: the server exited")
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(30)
+        router_log.close()
+        for server in (prefill, decode):
+            if server.process is not None and server.process.poll() is None:
+                server.stop()
+        redis_process.terminate()
+        redis_process.wait(10)
+    return _finish(row)
+
+
 # ---- main ------------------------------------------------------------------------------------------
 
 
@@ -681,6 +921,12 @@ async def run(args: argparse.Namespace) -> list[Row]:
                 lambda: phase_soak(server, args.soak_requests or sizes.soak, args.seed, sizes.strict_timing),
             ),
             ("router-kill", lambda: phase_router_kill(server, sizes.router, not args.short, workdir)),
+            (
+                "pd-hostile",
+                lambda: phase_pd_hostile(
+                    sizes.pd, 1 if args.short else args.pd_tensor_parallel, workdir, args.model
+                ),
+            ),
             ("sigterm", lambda: phase_sigterm(server)),
         ]
         for name, phase in phases:
@@ -710,6 +956,12 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-cache-memory", type=float, default=0.25, help="GiB of KV cache (the soak touches it all)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pd-tensor-parallel",
+        type=int,
+        default=2,
+        help="pd-hostile: the decode server's TP size (full mode)",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="full mode with its counts times this")
     parser.add_argument(
         "--only", nargs="+", default=None, help="run only these phases (sigterm stops the server)"

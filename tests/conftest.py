@@ -19,6 +19,15 @@ from kv_tier_helpers import RedisServer  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Servers build the CPU kernels before they are ready; build them once here (as `hearth build-kernels`
+    does at install), so no test's start timeout pays for a compile. A failed build leaves the torch paths."""
+    from hearth.ops import cpu_kernels
+
+    if cpu_kernels.enabled():
+        cpu_kernels.build_before_ready()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
     """Builds (and caches per session) tiny random checkpoints: factory(arch, **config_overrides) -> Path."""

@@ -13,6 +13,7 @@ import torch
 from hearth.kv.page_io import PageLayout
 from hearth.kv.prefix_keys import page_keys, root_key
 from hearth.kv.tiers import PageSpec
+from hearth.kv.tiers.blob_auth import BlobMAC
 from hearth.kv.tiers.mooncake_store import MooncakeTier
 
 
@@ -20,6 +21,7 @@ def main(url_a: str, url_b: str) -> None:
     spec = PageSpec("mha/float32/p4/h1x4/l2", PageLayout(2, 1, 4, 4, "mha", "float32"))
     keys = page_keys(root_key("m", spec.layout_tag), list(range(16)), 4)
     a, b = MooncakeTier(spec, url_a), MooncakeTier(spec, url_b)
+    a.mac = b.mac = BlobMAC(b"mooncake check")  # what open_store sets from the deployment secret
     pages = [torch.full(spec.shape, float(i)) for i in range(3)]
     a.store(list(zip(keys[:3], pages)))
     assert b.lookup(keys) == 3, b.lookup(keys)

@@ -9,6 +9,7 @@ from hearth.engine.step_input import StepInput
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionBackend, available_backends, get_backend, select_backend
+from hearth.ops.attention.backend import AttentionKind
 from hearth.ops.attention.cpu import MAX_KERNEL_ROW_TOKENS, CpuBackend
 from hearth.ops.attention.torch_ref import TorchRefBackend
 from hearth.ops.triton import triton_available
@@ -233,3 +234,61 @@ def test_cpu_multi_token_rows_take_the_decode_kernel_and_attend_causally(rows, p
     torch.testing.assert_close(
         backend.forward(0, q, None, None, pool, reference_path, HEAD_DIM**-0.5), out, rtol=1e-5, atol=1e-5
     )
+
+
+def reference_by_first_key(
+    q, pool: KVPool, layer: int, step: StepInput, scale: float, first_key
+) -> torch.Tensor:
+    """Per query token at position p: softmax over its row's keys at positions [first_key(p), p], slot by slot."""
+    k_pool, v_pool = (t.double() for t in pool.layer(layer))
+    width = step.page_table_width
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row in range(len(step.seq_lens)):
+        pages = step.page_table[row * width : (row + 1) * width]
+        for t in range(step.query_start_loc[row], step.query_start_loc[row + 1]):
+            p = step.positions[t]
+            slots = [pages[k // PAGE_SIZE] * PAGE_SIZE + k % PAGE_SIZE for k in range(first_key(p), p + 1)]
+            for head in range(HEADS):
+                kv_head = head // (HEADS // KV_HEADS)
+                keys, values = k_pool[slots, kv_head], v_pool[slots, kv_head]
+                weights = torch.softmax(keys @ q[t, head].double() * scale, dim=0)
+                out[t, head] = weights @ values
+    return out
+
+
+@pytest.mark.parametrize("backend_cls", [TorchRefBackend, CpuBackend])
+@pytest.mark.parametrize(("rows", "pages"), [(MIXED_ROWS, MIXED_PAGES), (VERIFY_ROWS, VERIFY_PAGES)])
+def test_each_layer_attends_as_its_kind_says(backend_cls, rows, pages):
+    """Full, sliding-window and chunked-local layers in one model (Gemma 3, Llama 4): each layer of a step
+    reads its own kind's keys, through the prefill path, the decode kernel and its multi-token rows."""
+    cpu_kernels.paged_decode_attention_kernel(wait=True)
+    kinds = (
+        AttentionKind(),
+        AttentionKind(sliding_window=5),
+        AttentionKind(chunk_size=6),
+        AttentionKind(chunk_size=4),
+    )
+    first_keys = (lambda p: 0, lambda p: max(0, p - 4), lambda p: p // 6 * 6, lambda p: p // 4 * 4)
+    torch.manual_seed(2)
+    pool = KVPool(KVLayout(len(kinds), KV_HEADS, HEAD_DIM, PAGE_SIZE, torch.float32), 19)
+    pool.storage.copy_(torch.randn(pool.storage.shape))
+    step = make_step(rows, pages)
+    backend = backend_cls(
+        device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=8, layer_kinds=kinds
+    )
+    metadata = backend.prepare(step)
+    num_tokens = len(step.token_ids)
+    for layer, first_key in enumerate(first_keys):
+        q = torch.randn(num_tokens, HEADS, HEAD_DIM)
+        out = backend.forward(layer, q, None, None, pool, metadata, HEAD_DIM**-0.5)
+        expected = reference_by_first_key(q, pool, layer, step, HEAD_DIM**-0.5, first_key)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_refuses_chunked_attention_it_has_no_kernel_for():
+    backend_cls = _triton_backend()
+    with pytest.raises(ValueError, match="chunked local attention runs on the cpu and torch_ref backends"):
+        backend_cls(
+            device="cpu", page_size=PAGE_SIZE, max_num_seqs=8, max_pages_per_seq=8,
+            layer_kinds=(AttentionKind(), AttentionKind(chunk_size=8)),
+        )  # fmt: skip

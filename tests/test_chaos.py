@@ -1,5 +1,5 @@
 """`scripts/chaos.py --short`: fuzzed requests, disconnects, a burst, a big request, a short soak, a worker
-SIGKILLed behind `hearth route` and SIGTERM under load, against a real server. Any 5xx, crash, hang, leaked
+SIGKILLed behind `hearth route`, a PD + tiers deployment under attack (issue 30) and SIGTERM under load, against a real server. Any 5xx, crash, hang, leaked
 page or lost request fails it (the stall and RSS goals are enforced in the full mode only)."""
 
 from __future__ import annotations
@@ -25,5 +25,14 @@ def test_chaos_short_mode_passes() -> None:
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     table = result.stdout[result.stdout.index("| phase") :]
-    for phase in ("fuzz", "disconnect", "burst", "big-request", "soak", "router-kill", "sigterm"):
+    for phase in (
+        "fuzz",
+        "disconnect",
+        "burst",
+        "big-request",
+        "soak",
+        "router-kill",
+        "pd-hostile",
+        "sigterm",
+    ):
         assert f"| {phase}" in table

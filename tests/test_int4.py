@@ -125,7 +125,7 @@ def test_rtn_reconstructs_within_half_a_step():
 # ---- checkpoints in each format, against transformers on the dequantized weights -------------------------
 
 
-def quantize_checkpoint(src: Path, dst: Path, group: int, sym: bool, act_order: bool, fmt: str) -> Path:
+def quantize_checkpoint(src: Path, dst: Path, group: int, sym: bool, act_order: bool | str, fmt: str) -> Path:
     """Write `dst` (a `fmt` INT4 checkpoint of `src`'s linear layers) and `dst`-dense (the dequantized weights,
     for transformers)."""
     dense_dir = dst.with_name(dst.name + "-dense")
@@ -145,12 +145,14 @@ def quantize_checkpoint(src: Path, dst: Path, group: int, sym: bool, act_order: 
         w = tensor.float()
         out, k = w.shape
         g_idx = None
-        if (
-            act_order
-        ):  # q/k/v (and gate/up) share their input, so GPTQ gives them one order: one per layer input
+        if act_order:
+            # "shared": q/k/v (and gate/up) share their input, so one order per layer input; "per-part":
+            # each projection quantized on its own, with its own order (common in published checkpoints).
             key = (int(name.split(".")[2]), k if module[-2] not in ("q_proj", "k_proj", "v_proj") else -1)
             if module[-2] in ("gate_proj", "up_proj"):
                 key = (key[0], -2)
+            if act_order == "per-part":
+                key = (key[0], module[-2])
             if key not in perm_by_input:
                 perm_by_input[key] = (torch.randperm(k, generator=gen) // group).int()
             g_idx = perm_by_input[key]
@@ -202,7 +204,7 @@ def quantize_checkpoint(src: Path, dst: Path, group: int, sym: bool, act_order: 
             "quant_method": "gptq",
             "bits": 4,
             "group_size": group,
-            "desc_act": act_order,
+            "desc_act": bool(act_order),
             "sym": sym,
             "checkpoint_format": "gptq",
         }
@@ -239,12 +241,12 @@ def quantize_checkpoint(src: Path, dst: Path, group: int, sym: bool, act_order: 
 
 CASES = [
     ("gptq", 128, True, False),
-    ("gptq", 64, False, True),
-    ("gptq", 32, True, True),
+    ("gptq", 64, False, "shared"),
+    ("gptq", 32, True, "per-part"),
     ("awq", 128, False, False),
     ("awq", 32, False, False),
     ("compressed-tensors", 128, True, False),
-    ("compressed-tensors", 32, False, True),  # (with 128 input features a group of 128 has no order)
+    ("compressed-tensors", 32, False, "per-part"),  # (with 128 input features a group of 128 has no order)
 ]
 
 
@@ -252,17 +254,21 @@ CASES = [
 def test_int4_checkpoint_gives_transformers_greedy_tokens_on_dequantized_weights(
     tiny_model_factory, tmp_path, monkeypatch, fmt, group, sym, act_order
 ):
-    # The format's weights exactly: the kernel's activations stay float (W4A8 is tested above and by `hearth
-    # eval`; rounded activations may flip a near-tie token of a random model).
-    monkeypatch.setenv("HEARTH_INT4_ACTIVATIONS", "float")
+    # By default a checkpoint's INT4 runs with its own numerics (W4A16): exactly the dequantized weights'
+    # tokens. (W4A8 is an opt-in, tested above and measured by `hearth eval`.)
+    monkeypatch.delenv("HEARTH_INT4_ACTIVATIONS", raising=False)
     cpu_kernels.paged_decode_attention_kernel(wait=True)
     src = tiny_model_factory("llama", hidden_size=128, intermediate_size=256)
     quantized = tmp_path / fmt
     dense = quantize_checkpoint(src, quantized, group, sym, act_order, fmt)
     llm = LLM(str(quantized), dtype="float32", kv_cache_memory_gib=0.02)
     layer = llm.engine.worker.model.model.layers[0].self_attn.qkv_proj
-    assert hasattr(layer, "int4") and not hasattr(layer, "qweight")
-    assert (layer.int4.perm is not None) == act_order
+    assert not hasattr(layer, "qweight")
+    if act_order == "per-part":  # kept unfused: each part with its own column order
+        assert [w.perm is not None for w in layer.int4_parts] == [True, True, True]
+        assert not layer.int4_parts[0].int8_activations
+    else:
+        assert (layer.int4.perm is not None) == bool(act_order) and not layer.int4.int8_activations
     prompts = [[5, 17, 99, 3, 250, 41], [300, 2, 7], list(range(20, 60))]
     from hearth.engine.sampling_params import SamplingParams
 

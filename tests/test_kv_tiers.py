@@ -14,11 +14,12 @@ from kv_tier_helpers import fill_page, small_pool, spec_of
 from hearth.kv.prefix_keys import page_keys, root_key
 from hearth.kv.tiers import PageFormatError, PageSpec, TierStack, TierUnavailable, decode_page, encode_page
 from hearth.kv.tiers.base import KVTier
+from hearth.kv.tiers.blob_auth import OVERHEAD_BYTES
 from hearth.kv.tiers.disk import DiskTier
 from hearth.kv.tiers.host import HostTier
-from hearth.kv.tiers.redis_store import RedisTier
-from hearth.kv.tiers.registry import build_tiers
+from hearth.kv.tiers.registry import build_tiers, open_store
 
+SECRET = b"deployment secret"
 KEYS = page_keys(root_key("m", "layout"), list(range(64)), 4)  # 16 chained keys
 
 
@@ -103,7 +104,7 @@ def test_disk_tier_never_loads_a_damaged_page_file(tmp_path: Path, damage: str):
 
 def test_disk_tier_stays_within_its_size_evicting_least_recent(tmp_path: Path):
     spec = spec_of(small_pool())
-    blob_bytes = len(encode_page(spec, KEYS[0], page(spec, 0)))
+    blob_bytes = len(encode_page(spec, KEYS[0], page(spec, 0))) + OVERHEAD_BYTES  # the page and its MAC
     disk = DiskTier(spec, tmp_path / "b", capacity_bytes=3 * blob_bytes)
     disk.store([(KEYS[i], page(spec, i)) for i in range(3)])
     disk.load([KEYS[0]])
@@ -118,11 +119,11 @@ def test_disk_tier_stays_within_its_size_evicting_least_recent(tmp_path: Path):
 
 def test_redis_tier_shares_pages_between_clients_and_fails_as_unavailable(redis_server):
     spec = spec_of(small_pool())
-    writer, reader = RedisTier(spec, redis_server.url), RedisTier(spec, redis_server.url)
+    writer, reader = open_store(spec, redis_server.url, SECRET), open_store(spec, redis_server.url, SECRET)
     writer.store([(KEYS[i], page(spec, i)) for i in range(3)])
     assert reader.lookup(KEYS) == 3 and reader.knows(KEYS[0])
     assert [float(p.flatten()[0]) for p in reader.load(KEYS)] == [0.0, 1.0, 2.0]
-    other_layout = RedisTier(PageSpec("other", spec.layout), redis_server.url)
+    other_layout = open_store(PageSpec("other", spec.layout), redis_server.url, SECRET)
     assert other_layout.load(KEYS[:1]) == []  # same key, other layout: rejected by the header
     redis_server.stop()
     with pytest.raises(TierUnavailable):
@@ -134,7 +135,7 @@ def test_redis_tier_shares_pages_between_clients_and_fails_as_unavailable(redis_
 def test_unknown_store_scheme_is_a_clear_error():
     spec = spec_of(small_pool())
     with pytest.raises(ValueError, match="unknown scheme 'memcached'.*redis"):
-        build_tiers(spec, store_url="memcached://x:1")
+        build_tiers(spec, store_url="memcached://x:1", secret=SECRET)
 
 
 # ---- the stack ------------------------------------------------------------------------------------
@@ -279,3 +280,56 @@ def test_a_store_that_goes_down_is_skipped_then_tried_again():
         assert stack.lookup(KEYS[:3]) == 2
     finally:
         stack.close()
+
+
+class TinyFilesystem:
+    """A filesystem of `limit_bytes` (smaller than the tier's capacity): a write past it leaves a partial
+    temp file and fails with ENOSPC, as a real full disk does."""
+
+    def __init__(self, directory: Path, limit_bytes: int) -> None:
+        self.directory, self.limit_bytes = directory, limit_bytes
+
+    def __call__(self, tmp: Path, blob: bytes) -> None:
+        import errno
+        import os
+
+        used = sum(p.stat().st_size for p in self.directory.rglob("*") if p.is_file())
+        with open(tmp, "wb") as file:
+            file.write(blob[: max(0, min(len(blob), self.limit_bytes - used))])
+        if used + len(blob) > self.limit_bytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_filesystem_leaves_no_temp_files_evicts_and_keeps_writing(tmp_path: Path, caplog):
+    spec = spec_of(small_pool())
+    disk = DiskTier(spec, tmp_path, capacity_bytes=1 << 30)  # far more than the filesystem holds
+    blob_bytes = len(encode_page(spec, KEYS[0], page(spec, 0))) + OVERHEAD_BYTES
+    disk._write_file = TinyFilesystem(tmp_path, 6 * blob_bytes + 100)  # type: ignore[method-assign]
+    caplog.set_level("WARNING", logger="hearth.kv.tiers")
+    for i in range(16):
+        disk.store([(KEYS[i], page(spec, i))])
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert disk.capacity_bytes < 6 * blob_bytes  # lowered to what the filesystem holds
+    assert disk.knows(KEYS[15]) and not disk.knows(KEYS[0])  # the newest kept, the oldest evicted
+    assert float(disk.load([KEYS[15]])[0].flatten()[0]) == 15.0
+    assert len(caplog.records) <= 3 and not any(r.exc_info for r in caplog.records)
+
+
+def test_write_failures_are_counted_and_logged_once_per_cause_as_the_count_doubles(tmp_path: Path, caplog):
+    import errno
+
+    spec = spec_of(small_pool())
+    disk = DiskTier(spec, tmp_path, capacity_bytes=1 << 20)
+
+    def broken(tmp: Path, blob: bytes) -> None:
+        tmp.write_bytes(blob[:10])
+        raise OSError(errno.EIO, "Input/output error")
+
+    disk._write_file = broken  # type: ignore[method-assign]
+    caplog.set_level("WARNING", logger="hearth.kv.tiers")
+    disk.store([(KEYS[i % 16], page(spec, i)) for i in range(16)])
+    assert disk.snapshot().failed_writes == 16 and disk.usage() == (0, 0)
+    assert not list(tmp_path.rglob("*.tmp"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 5 and all("EIO" in m for m in messages)  # counts 1, 2, 4, 8, 16
+    assert "16 page write(s) failed" in messages[-1] and not any(r.exc_info for r in caplog.records)

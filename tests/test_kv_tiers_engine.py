@@ -120,7 +120,10 @@ def test_damaged_disk_pages_are_recomputed_not_loaded(tiny_llama: Path, tmp_path
         second.engine.close()
 
 
-def test_two_engines_share_pages_through_redis_and_salts_keep_tenants_apart(tiny_llama: Path, redis_server):
+def test_two_engines_share_pages_through_redis_and_salts_keep_tenants_apart(
+    tiny_llama: Path, redis_server, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("HEARTH_KV_TRANSFER_SECRET", "tier-secret")  # a shared store's blobs are MAC'd
     a = engine(tiny_llama, num_pages=32, kv_store=redis_server.url)
     b = engine(tiny_llama, num_pages=32, kv_store=redis_server.url)
     try:
@@ -140,8 +143,9 @@ def test_two_engines_share_pages_through_redis_and_salts_keep_tenants_apart(tiny
 
 
 def test_redis_dying_mid_run_means_recompute_and_writes_resume_when_it_is_back(
-    tiny_llama: Path, redis_server
+    tiny_llama: Path, redis_server, monkeypatch: pytest.MonkeyPatch
 ):
+    monkeypatch.setenv("HEARTH_KV_TRANSFER_SECRET", "tier-secret")
     llm = engine(tiny_llama, num_pages=32, kv_store=redis_server.url)
     stack = llm.engine.worker.kv_worker.tiers
     stack.retry_after_s = 0.2

@@ -32,6 +32,7 @@ def test_server_b_is_served_what_server_a_computed_through_redis(
     tiny_llama: Path, redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     monkeypatch.setenv("HEARTH_CPU_KERNELS", "0")  # both servers on the torch paths: comparable answers
+    monkeypatch.setenv("HEARTH_KV_TRANSFER_SECRET", "tier-secret")  # the store's pages are MAC'd with it
     args = ["--model", str(tiny_llama), "--served-model-name", "m", "--device", "cpu", "--num-threads", "1",
             "--dtype", "float32", "--kv-store", redis_server.url]  # fmt: skip
     prompt = [random.Random(0).randrange(5, 250) for _ in range(300)]

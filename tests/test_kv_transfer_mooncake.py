@@ -63,7 +63,7 @@ def pair():
 
 @pytest.mark.skipif(not INSIDE, reason="runs inside the private network namespace")
 def test_inner_pages_arrive_through_mooncake(pair) -> None:
-    from test_kv_transfer_tcp import HASH, wait_events
+    from test_kv_transfer_tcp import HASH, tid, wait_events
 
     from hearth.kv_transfer.base import ReceiveSpec, SendSpec
     from hearth.kv_transfer.pool_pages import PoolPageSource
@@ -71,8 +71,8 @@ def test_inner_pages_arrive_through_mooncake(pair) -> None:
     sender_pool, receiver_pool, sender, receiver, endpoint = pair
     sender.batch_bytes = 1  # one page per batch: several one-sided writes at offsets
     sender_pool.storage.normal_()
-    receiver.open_receive(ReceiveSpec("m1", 1, [11, 5, 6], 16, HASH))
-    sender.send(SendSpec("m1", endpoint, PoolPageSource(sender_pool.io, [3, 7, 1, 9]), 16, HASH))
+    receiver.open_receive(ReceiveSpec(tid("m1"), 1, [11, 5, 6], 16, HASH))
+    sender.send(SendSpec(tid("m1"), endpoint, PoolPageSource(sender_pool.io, [3, 7, 1, 9]), 16, HASH))
     (sent,) = wait_events(sender, 1)
     (received,) = wait_events(receiver, 1)
     assert sent.ok and received.ok, (sent, received)
@@ -82,17 +82,17 @@ def test_inner_pages_arrive_through_mooncake(pair) -> None:
 
 @pytest.mark.skipif(not INSIDE, reason="runs inside the private network namespace")
 def test_inner_a_late_mooncake_write_never_reaches_the_pool(pair) -> None:
-    from test_kv_transfer_tcp import HASH, GatedSource, wait_events
+    from test_kv_transfer_tcp import HASH, GatedSource, tid, wait_events
 
     from hearth.kv_transfer.base import ReceiveSpec, SendSpec
 
     sender_pool, receiver_pool, sender, receiver, endpoint = pair
     sender_pool.storage.fill_(1.0)
     source = GatedSource(sender_pool, [0, 1])
-    receiver.open_receive(ReceiveSpec("late", 0, [5, 6], 7, HASH))
-    sender.send(SendSpec("late", endpoint, source, 8, HASH))
+    receiver.open_receive(ReceiveSpec(tid("late"), 0, [5, 6], 7, HASH))
+    sender.send(SendSpec(tid("late"), endpoint, source, 8, HASH))
     assert source.reading.wait(10)
-    receiver.close_receive("late")
+    receiver.close_receive(tid("late"))
     receiver_pool.write_pages([5, 6], torch.full((3, 2, 2, 4, 2, 8), 7.0))
     source.go.set()
     (sent,) = wait_events(sender, 1)
@@ -102,10 +102,37 @@ def test_inner_a_late_mooncake_write_never_reaches_the_pool(pair) -> None:
 
 
 @pytest.mark.skipif(not INSIDE, reason="runs inside the private network namespace")
+def test_inner_bytes_written_into_staging_by_anyone_else_fail_the_tag(pair, monkeypatch) -> None:
+    """Transfer Engine lets any peer on the network write into a registered staging buffer. Such bytes
+    fail the batch's tag (sent on the authenticated control connection) and never reach the pool."""
+    from test_kv_transfer_tcp import HASH, tid, wait_events
+
+    from hearth.kv_transfer import mooncake
+    from hearth.kv_transfer.base import ReceiveSpec, SendSpec
+    from hearth.kv_transfer.pool_pages import PoolPageSource
+
+    sender_pool, receiver_pool, sender, receiver, endpoint = pair
+    sender_pool.storage.normal_()
+    original = mooncake.MooncakeTransport._recv_payload
+
+    def overwritten(self, sock, payload, batch, size):  # type: ignore[no-untyped-def]
+        view = original(self, sock, payload, batch, size)
+        view[0:64] = bytes(64)  # a stranger's one-sided write landed first
+        return view
+
+    monkeypatch.setattr(mooncake.MooncakeTransport, "_recv_payload", overwritten)
+    receiver.open_receive(ReceiveSpec(tid("m2"), 0, [2, 3], 7, HASH))
+    sender.send(SendSpec(tid("m2"), endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH))
+    (received,) = wait_events(receiver, 1)
+    assert not received.ok and "MAC" in received.detail
+    assert receiver_pool.read_pages([2, 3]).abs().sum() == 0 and receiver.counters.pages_received == 0
+
+
+@pytest.mark.skipif(not INSIDE, reason="runs inside the private network namespace")
 def test_inner_one_rank_shard_of_heads_arrives_through_mooncake() -> None:
     """A TP=1 prefill sends a TP=2 decode rank the heads it holds: the part's layout sizes the receiver's
     staging buffer and the one-sided writes."""
-    from test_kv_transfer_tcp import HASH, make_pool, wait_events
+    from test_kv_transfer_tcp import HASH, make_pool, tid, wait_events
 
     from hearth.kv.page_io import PageLayout
     from hearth.kv.pool import KVLayout, KVPool
@@ -123,8 +150,8 @@ def test_inner_one_rank_shard_of_heads_arrives_through_mooncake() -> None:
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         heads = sender_pool.io.read([2, 4, 6])[:, :, :, :, 1:2].contiguous()
-        receiver.open_receive(ReceiveSpec("part", 0, [7, 0, 3], 11, HASH))
-        sender.send(SendSpec("part", endpoint, TensorPageSource(heads, None), 12, HASH, layout=part))
+        receiver.open_receive(ReceiveSpec(tid("part"), 0, [7, 0, 3], 11, HASH))
+        sender.send(SendSpec(tid("part"), endpoint, TensorPageSource(heads, None), 12, HASH, layout=part))
         (sent,) = wait_events(sender, 1)
         (received,) = wait_events(receiver, 1)
         assert sent.ok and received.ok, (sent, received)

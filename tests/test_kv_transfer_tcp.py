@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -15,6 +16,11 @@ from hearth.kv_transfer.pool_pages import PoolPageSource, PoolSink
 
 SECRET = b"s3cret"
 HASH = 1234
+
+
+def tid(name: str) -> str:
+    """A transfer id as the router makes them (32 lowercase hex characters), readable in failures."""
+    return name.encode().hex().ljust(32, "0")
 
 
 def make_pool(dtype: torch.dtype = torch.float32, num_pages: int = 16, heads: int = 2) -> KVPool:
@@ -54,8 +60,8 @@ def test_pages_arrive_converted_and_only_the_wanted_ones(pair) -> None:
     sender_pool.storage.normal_()
     source_pages = [3, 7, 1, 9, 4]  # the prefill request's pages 0..4
     # The decode side already holds request pages 0 and 1 (its own prefix cache): it wants 2..4.
-    receiver.open_receive(ReceiveSpec("t1", 2, [11, 5, 6], 5 * 4 - 1, HASH))
-    sender.send(SendSpec("t1", endpoint, PoolPageSource(sender_pool.io, source_pages), 5 * 4, HASH))
+    receiver.open_receive(ReceiveSpec(tid("t1"), 2, [11, 5, 6], 5 * 4 - 1, HASH))
+    sender.send(SendSpec(tid("t1"), endpoint, PoolPageSource(sender_pool.io, source_pages), 5 * 4, HASH))
     (sent,) = wait_events(sender, 1)
     (received,) = wait_events(receiver, 1)
     assert sent.ok and received.ok and sent.num_pages == 3 and received.num_pages == 3
@@ -70,29 +76,39 @@ def test_many_batches_stream_on_one_connection(pair) -> None:
     sender_pool, receiver_pool, sender, receiver, endpoint = pair
     sender.batch_bytes = 1  # one page per batch
     sender_pool.storage.normal_()
-    receiver.open_receive(ReceiveSpec("t2", 0, list(range(8)), 30, HASH))
-    sender.send(SendSpec("t2", endpoint, PoolPageSource(sender_pool.io, list(range(8, 16))), 32, HASH))
+    receiver.open_receive(ReceiveSpec(tid("t2"), 0, list(range(8)), 30, HASH))
+    sender.send(SendSpec(tid("t2"), endpoint, PoolPageSource(sender_pool.io, list(range(8, 16))), 32, HASH))
     assert wait_events(receiver, 1)[0].ok
     assert torch.equal(
         receiver_pool.read_pages(list(range(8))), sender_pool.read_pages(list(range(8, 16))).bfloat16()
     )
 
 
-def test_wrong_secret_is_refused_at_once() -> None:
+def test_wrong_secret_is_refused_and_leaves_the_transfer_to_its_real_sender() -> None:
+    """A sender without the secret is refused (both sides say why) but cannot fail the transfer it
+    named: the real sender, which comes later, still delivers it."""
     sender_pool, receiver_pool = make_pool(), make_pool()
-    sender, receiver = transport(sender_pool, b"wrong"), transport(receiver_pool)
+    sender_pool.storage.normal_()
+    stranger, sender, receiver = (
+        transport(sender_pool, b"wrong"),
+        transport(sender_pool),
+        transport(receiver_pool),
+    )
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
-        receiver.open_receive(ReceiveSpec("t3", 0, [0, 1], 5, HASH))
-        sender.send(SendSpec("t3", endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH))
-        (sent,) = wait_events(sender, 1)
-        (received,) = wait_events(receiver, 1, timeout_s=2.0)  # well before the 5 s timeout
-        assert not sent.ok and "secret" in sent.detail
-        assert not received.ok and "secret" in received.detail
-        assert receiver.counters.handshakes_refused == 1 and receiver.counters.pages_received == 0
+        receiver.open_receive(ReceiveSpec(tid("t3"), 0, [0, 1], 5, HASH))
+        stranger.send(SendSpec(tid("t3"), endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH))
+        (refused,) = wait_events(stranger, 1)
+        assert not refused.ok and "secret" in refused.detail
+        time.sleep(0.2)
+        assert receiver.events() == [] and receiver.counters.handshakes_refused == 1
+        sender.send(SendSpec(tid("t3"), endpoint, PoolPageSource(sender_pool.io, [2, 3]), 8, HASH))
+        (received,) = wait_events(receiver, 1)
+        assert received.ok and receiver.counters.pages_received == 2
+        assert torch.equal(receiver_pool.read_pages([0, 1]), sender_pool.read_pages([2, 3]))
     finally:
-        sender.close()
-        receiver.close()
+        for t in (stranger, sender, receiver):
+            t.close()
 
 
 def test_layout_mismatch_is_a_clear_error_on_both_sides() -> None:
@@ -100,8 +116,8 @@ def test_layout_mismatch_is_a_clear_error_on_both_sides() -> None:
     sender, receiver = transport(sender_pool), transport(receiver_pool)
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
-        receiver.open_receive(ReceiveSpec("t4", 0, [0], 3, HASH))
-        sender.send(SendSpec("t4", endpoint, PoolPageSource(sender_pool.io, [0]), 4, HASH))
+        receiver.open_receive(ReceiveSpec(tid("t4"), 0, [0], 3, HASH))
+        sender.send(SendSpec(tid("t4"), endpoint, PoolPageSource(sender_pool.io, [0]), 4, HASH))
         (sent,) = wait_events(sender, 1)
         (received,) = wait_events(receiver, 1)
         for event in (sent, received):
@@ -113,18 +129,20 @@ def test_layout_mismatch_is_a_clear_error_on_both_sides() -> None:
 
 def test_another_prompt_or_too_few_tokens_fail_the_load(pair) -> None:
     sender_pool, _, sender, receiver, endpoint = pair
-    receiver.open_receive(ReceiveSpec("t5", 0, [0, 1], 7, HASH))
-    sender.send(SendSpec("t5", endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH + 1))
+    receiver.open_receive(ReceiveSpec(tid("t5"), 0, [0, 1], 7, HASH))
+    sender.send(SendSpec(tid("t5"), endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH + 1))
     assert not wait_events(receiver, 1)[0].ok
-    receiver.open_receive(ReceiveSpec("t6", 0, [0, 1], 7, HASH))
-    sender.send(SendSpec("t6", endpoint, PoolPageSource(sender_pool.io, []), 0, HASH))  # an aborted prefill
+    receiver.open_receive(ReceiveSpec(tid("t6"), 0, [0, 1], 7, HASH))
+    sender.send(
+        SendSpec(tid("t6"), endpoint, PoolPageSource(sender_pool.io, []), 0, HASH)
+    )  # an aborted prefill
     assert "holds 0 tokens" in wait_events(receiver, 1)[0].detail
 
 
 def test_a_closed_transfer_tells_a_late_sender_nothing_is_wanted(pair) -> None:
     sender_pool, _, sender, receiver, endpoint = pair
-    receiver.close_receive("t7")
-    sender.send(SendSpec("t7", endpoint, PoolPageSource(sender_pool.io, [0]), 4, HASH))
+    receiver.close_receive(tid("t7"))
+    sender.send(SendSpec(tid("t7"), endpoint, PoolPageSource(sender_pool.io, [0]), 4, HASH))
     (sent,) = wait_events(sender, 1)
     assert sent.ok and sent.detail == "nothing wanted" and receiver.events() == []
 
@@ -161,10 +179,10 @@ def test_a_late_write_never_lands_in_reused_pages(pair) -> None:
     sender_pool, receiver_pool, sender, receiver, endpoint = pair
     sender_pool.storage.fill_(1.0)
     source = GatedSource(sender_pool, [0, 1])
-    receiver.open_receive(ReceiveSpec("old", 0, [5, 6], 7, HASH))
-    sender.send(SendSpec("old", endpoint, source, 8, HASH))
+    receiver.open_receive(ReceiveSpec(tid("old"), 0, [5, 6], 7, HASH))
+    sender.send(SendSpec(tid("old"), endpoint, source, 8, HASH))
     assert source.reading.wait(10)  # handshake done, pages wanted, the sender is about to send them
-    receiver.close_receive("old")  # the decode request was aborted: from here no write may land
+    receiver.close_receive(tid("old"))  # the decode request was aborted: from here no write may land
     # Pages 5 and 6 now belong to a new request that computed its own KV there.
     receiver_pool.write_pages([5, 6], torch.full((3, 2, 2, 4, 2, 8), 7.0))
     source.go.set()
@@ -175,50 +193,74 @@ def test_a_late_write_never_lands_in_reused_pages(pair) -> None:
     assert receiver.events() == []  # a closed receive is not answered
 
 
-def test_prefill_death_mid_transfer_fails_the_load(pair) -> None:
-    sender_pool, _, _, receiver, endpoint = pair
+def handshake(endpoint: str, transfer_id: str, layout, num_tokens: int):  # type: ignore[no-untyped-def]
+    """A hand-made sender with the secret: the socket and its frame MACs (out, in) after a Want."""
     import socket
 
-    from hearth.kv_transfer.tcp import Auth, Challenge, Hello, Want, _mac, recv_message, send_message
+    from hearth.kv_transfer.auth import FrameMAC, session_keys
+    from hearth.kv_transfer.tcp import (
+        PROTOCOL_VERSION,
+        Auth,
+        Challenge,
+        Hello,
+        Want,
+        auth_mac,
+        recv_message,
+        recv_verified,
+        send_message,
+    )
 
-    receiver.open_receive(ReceiveSpec("t8", 0, [0, 1], 7, HASH))
-    with socket.create_connection(("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))) as sock:
-        send_message(sock, Hello(1, "t8", b"n" * 32))
-        challenge = recv_message(sock)
-        assert isinstance(challenge, Challenge)
-        send_message(
-            sock,
-            Auth(_mac(SECRET, b"s", challenge.nonce, b"n" * 32), sender_pool.io.layout, 8, HASH),
-        )
-        assert isinstance(recv_message(sock), Want)
+    sock = socket.create_connection(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])))
+    nonce = b"n" * 32
+    send_message(sock, Hello(PROTOCOL_VERSION, transfer_id, nonce))
+    challenge = recv_message(sock)
+    assert isinstance(challenge, Challenge)
+    auth = Auth(b"", layout, num_tokens, HASH)
+    auth.mac = auth_mac(SECRET, transfer_id, nonce, challenge.nonce, auth)
+    send_message(sock, auth)
+    sender_key, receiver_key = session_keys(SECRET, transfer_id, nonce, challenge.nonce)
+    frames_out, frames_in = FrameMAC(sender_key), FrameMAC(receiver_key)
+    assert isinstance(recv_verified(sock, frames_in, Want), Want)
+    return sock, frames_out, frames_in
+
+
+def test_prefill_death_mid_transfer_fails_the_load(pair) -> None:
+    sender_pool, _, _, receiver, endpoint = pair
+    receiver.open_receive(ReceiveSpec(tid("t8"), 0, [0, 1], 7, HASH))
+    sock, _, _ = handshake(endpoint, tid("t8"), sender_pool.io.layout, 8)
+    with sock:
         sock.sendall(b"\x00\x00")  # half a frame, then the process is gone
     (received,) = wait_events(receiver, 1)
     assert not received.ok and "broken" in received.detail
 
 
-def test_a_corrupted_page_fails_its_checksum_and_is_not_written(pair) -> None:
-    import socket
+@pytest.mark.parametrize("receiver_dtype", [torch.float32, torch.bfloat16])
+def test_a_page_changed_after_its_tag_was_made_fails_the_transfer(pair, receiver_dtype) -> None:
+    """Straight into the pool (same dtype) or converted (bf16): a batch whose bytes do not match its tag
+    fails the transfer, and converted pages are never written."""
+    from hearth.kv_transfer.tcp import _LENGTH, Batch
 
-    from hearth.kv_transfer.tcp import Auth, Batch, Challenge, Hello, Want, _mac, recv_message, send_message
-
-    sender_pool, receiver_pool, _, receiver, endpoint = pair
-    receiver.open_receive(ReceiveSpec("t9", 0, [2], 3, HASH))
-    layout = sender_pool.io.layout
-    page = torch.ones(layout.page_shape())
-    raw = page.numpy().tobytes()
-    with socket.create_connection(("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))) as sock:
-        send_message(sock, Hello(1, "t9", b"n" * 32))
-        challenge = recv_message(sock)
-        assert isinstance(challenge, Challenge)
-        send_message(sock, Auth(_mac(SECRET, b"s", challenge.nonce, b"n" * 32), layout, 4, HASH))
-        assert isinstance(recv_message(sock), Want)
-        from hearth.kv.checksum import page_checksum
-
-        send_message(sock, Batch("t9", 0, 1, "float32", [page_checksum(raw) ^ 1]))
-        sock.sendall(raw)
-        (received,) = wait_events(receiver, 1)
-    assert not received.ok and "checksum" in received.detail
-    assert receiver_pool.read_pages([2]).abs().sum() == 0
+    sender_pool = pair[0]
+    receiver_pool = make_pool(receiver_dtype)
+    receiver = transport(receiver_pool)
+    endpoint = receiver.listen("127.0.0.1", 0)
+    try:
+        receiver.open_receive(ReceiveSpec(tid("t9"), 0, [2], 3, HASH))
+        layout = sender_pool.io.layout
+        raw = bytearray(torch.ones(layout.page_shape()).numpy().tobytes())
+        sock, frames_out, _ = handshake(endpoint, tid("t9"), layout, 4)
+        with sock:
+            header = msgspec.msgpack.encode(Batch(tid("t9"), 0, 1, "float32"))
+            tag = frames_out.tag(header, (memoryview(raw),))
+            raw[100] ^= 1  # one bit flipped on the way
+            sock.sendall(_LENGTH.pack(len(header)) + header + tag + bytes(raw))
+            (received,) = wait_events(receiver, 1)
+        assert not received.ok and "MAC" in received.detail
+        assert receiver.counters.frames_refused == 1
+        if receiver_dtype != torch.float32:
+            assert receiver_pool.read_pages([2]).abs().sum() == 0
+    finally:
+        receiver.close()
 
 
 def fp8_pool(scale_base: float, num_pages: int = 16) -> KVPool:
@@ -239,8 +281,8 @@ def test_bf16_pages_become_fp8_with_the_receivers_own_scales() -> None:
     sender, receiver = transport(sender_pool), transport(receiver_pool)
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
-        receiver.open_receive(ReceiveSpec("f1", 0, [4, 2, 9], 11, HASH))
-        sender.send(SendSpec("f1", endpoint, PoolPageSource(sender_pool.io, [1, 3, 5]), 12, HASH))
+        receiver.open_receive(ReceiveSpec(tid("f1"), 0, [4, 2, 9], 11, HASH))
+        sender.send(SendSpec(tid("f1"), endpoint, PoolPageSource(sender_pool.io, [1, 3, 5]), 12, HASH))
         assert wait_events(receiver, 1)[0].ok and wait_events(sender, 1)[0].ok
         scales = (receiver_pool.k_scales, receiver_pool.v_scales)
         expected = convert_pages(sender_pool.read_pages([1, 3, 5]), torch.float8_e4m3fn, None, scales)
@@ -263,8 +305,8 @@ def test_fp8_pages_with_other_scales_are_rescaled_with_the_senders_scales() -> N
     sender, receiver = transport(sender_pool), transport(receiver_pool)
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
-        receiver.open_receive(ReceiveSpec("f2", 0, [0, 1], 7, HASH))
-        sender.send(SendSpec("f2", endpoint, PoolPageSource(sender_pool.io, [6, 7]), 8, HASH))
+        receiver.open_receive(ReceiveSpec(tid("f2"), 0, [0, 1], 7, HASH))
+        sender.send(SendSpec(tid("f2"), endpoint, PoolPageSource(sender_pool.io, [6, 7]), 8, HASH))
         assert wait_events(receiver, 1)[0].ok
         expected = convert_pages(
             sender_pool.read_pages([6, 7]),
@@ -287,8 +329,8 @@ def test_fp8_pages_into_a_bf16_pool_are_dequantized() -> None:
     sender, receiver = transport(sender_pool), transport(receiver_pool)
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
-        receiver.open_receive(ReceiveSpec("f3", 0, [3], 3, HASH))
-        sender.send(SendSpec("f3", endpoint, PoolPageSource(sender_pool.io, [2]), 4, HASH))
+        receiver.open_receive(ReceiveSpec(tid("f3"), 0, [3], 3, HASH))
+        sender.send(SendSpec(tid("f3"), endpoint, PoolPageSource(sender_pool.io, [2]), 4, HASH))
         assert wait_events(receiver, 1)[0].ok
         scales = torch.stack((sender_pool.k_scales, sender_pool.v_scales), 1)[:, :, None, None, :, None]
         expected = (sender_pool.read_pages([2]).float() * scales).to(torch.bfloat16)
@@ -309,8 +351,8 @@ def test_both_send_paths_deliver_the_same_bytes(zero_copy: bool) -> None:
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         source_pages = [15, 0, 7, 3, 8, 2, 11]
-        receiver.open_receive(ReceiveSpec("z", 0, [1, 4, 6, 9, 10, 12, 14], 27, HASH))
-        sender.send(SendSpec("z", endpoint, PoolPageSource(sender_pool.io, source_pages), 28, HASH))
+        receiver.open_receive(ReceiveSpec(tid("z"), 0, [1, 4, 6, 9, 10, 12, 14], 27, HASH))
+        sender.send(SendSpec(tid("z"), endpoint, PoolPageSource(sender_pool.io, source_pages), 28, HASH))
         assert wait_events(receiver, 1)[0].ok and wait_events(sender, 1)[0].ok
         assert torch.equal(
             receiver_pool.read_pages([1, 4, 6, 9, 10, 12, 14]), sender_pool.read_pages(source_pages)
@@ -342,15 +384,15 @@ def test_closing_while_bytes_land_straight_in_the_pool_stops_them(monkeypatch: p
     monkeypatch.setattr(tcp, "_sendall_parts", stalling)
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
-        receiver.open_receive(ReceiveSpec("mid", 0, [5, 6], 7, HASH))
-        sender.send(SendSpec("mid", endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH))
+        receiver.open_receive(ReceiveSpec(tid("mid"), 0, [5, 6], 7, HASH))
+        sender.send(SendSpec(tid("mid"), endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH))
         assert midway.wait(10)
         deadline = time.monotonic() + 10
-        while "mid" not in receiver._writing:  # type: ignore[attr-defined]  # in recvmsg_into now
+        while tid("mid") not in receiver._writing:  # type: ignore[attr-defined]  # in recvmsg_into now
             assert time.monotonic() < deadline
             time.sleep(0.01)
         started = time.monotonic()
-        receiver.close_receive("mid")
+        receiver.close_receive(tid("mid"))
         assert time.monotonic() - started < 5  # cut, not waited out to the socket timeout
         # The pages are freed and reused by another request, which writes its own KV there.
         receiver_pool.write_pages([5, 6], torch.full_like(receiver_pool.read_pages([5, 6]), 7.0))

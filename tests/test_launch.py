@@ -18,6 +18,18 @@ from tiny_models import make_tiny_model
 from hearth.server.process import free_port
 
 
+def test_secret_options_leave_the_command_line_for_the_environment() -> None:
+    from hearth.launch import secrets_to_env
+
+    kept, env = secrets_to_env(
+        ["--admin-key", "a1", "--policy", "x", "--api-key=k2", "--kv-transfer-secret", "s3"]
+    )
+    assert kept == ["--policy", "x"]
+    assert env == {"HEARTH_ROUTER_ADMIN_KEY": "a1", "HEARTH_API_KEY": "k2", "HEARTH_KV_TRANSFER_SECRET": "s3"}
+    with pytest.raises(ValueError, match="needs a value"):
+        secrets_to_env(["--admin-key"])
+
+
 def test_bad_counts_exit_with_a_message() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "hearth.cli", "launch", "--prefill", "1"],
@@ -51,6 +63,7 @@ def test_launch_starts_answers_and_stops_every_child(tmp_path: Path) -> None:
         "--max-model-len 512 --kv-cache-memory 0.02 --page-size 8",
     ]
     command += ["--decode-args", "--kv-transfer-timeout 10", "--ready-timeout", "900"]
+    command += ["--router-args=--admin-key admin-topsecret"]  # moved into the router's environment
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     seen: list[str] = []
@@ -65,6 +78,13 @@ def test_launch_starts_answers_and_stops_every_child(tmp_path: Path) -> None:
                 pass
         children = psutil.Process(launcher.pid).children(recursive=True)
         assert len(children) >= 5  # prefill and decode (each with its engine core) and the router
+        for child in children:  # what `ps` shows of every child: no secret
+            argv = " ".join(child.cmdline())
+            assert "topsecret" not in argv and "secret" not in argv.replace("secret-file", ""), argv
+        admin = httpx.get(
+            f"http://127.0.0.1:{port}/admin/workers", headers={"authorization": "Bearer admin-topsecret"}
+        )
+        assert admin.status_code == 200 and len(admin.json()["workers"]) == 2
         answer = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"prompt": "launched " * 20, "max_tokens": 5, "temperature": 0},

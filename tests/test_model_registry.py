@@ -32,6 +32,7 @@ def config(arch: str, **fields) -> ModelConfig:
 def test_each_architecture_has_its_own_class():
     assert supported_architectures() == (
         "DeepseekV3ForCausalLM",
+        "Gemma3ForCausalLM",
         "Glm4MoeForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
@@ -48,7 +49,7 @@ def test_each_architecture_has_its_own_class():
 
 def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(
-        ModelLoadError, match="'GPT2LMHeadModel' is not supported; supported: DeepseekV3ForCausalLM, Glm"
+        ModelLoadError, match="'GPT2LMHeadModel' is not supported; supported: DeepseekV3ForCausalLM, Gemma3"
     ):
         get_model_class("GPT2LMHeadModel")
 
@@ -81,13 +82,15 @@ def test_architectures_read_their_own_config_fields():
     assert qwen3.qk_norm and not qwen3.attention_bias and qwen3.sliding_window is None
 
 
-def test_qwen_sliding_window_on_all_layers_or_none():
+def test_qwen_sliding_window_per_layer():
     window = dict(use_sliding_window=True, sliding_window=16)
     assert config("Qwen2ForCausalLM", **window, max_window_layers=0).sliding_window == 16
     assert config("Qwen3ForCausalLM", **window, max_window_layers=4).sliding_window is None
     assert config("Qwen3ForCausalLM", **window, layer_types=["sliding_attention"] * 4).sliding_window == 16
-    with pytest.raises(ModelLoadError, match="sliding window on 2 of 4 layers is not supported"):
-        config("Qwen2ForCausalLM", **window, max_window_layers=2)
+    mixed = config("Qwen2ForCausalLM", **window, max_window_layers=2)
+    assert [mixed.layer_attention(i) for i in range(4)] == [(None, None)] * 2 + [(16, None)] * 2
+    with pytest.raises(ModelLoadError, match="layer_types must name"):
+        config("Qwen2ForCausalLM", **window, layer_types=["chunked_attention"] * 4)
 
 
 @pytest.mark.parametrize(

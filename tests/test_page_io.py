@@ -16,6 +16,8 @@ from hearth.kv_transfer.base import ReceiveSpec, SendSpec
 from hearth.kv_transfer.pool_pages import PoolPageSource, PoolSink, TensorPageSource
 from hearth.ops.fp8 import FP8_DTYPE
 
+# Transfer ids as the router makes them (32 lowercase hex characters): a listener refuses any other.
+TID_M, TID_H = "6d".ljust(32, "0"), "68".ljust(32, "0")
 KINDS = {"mha": (2, 8), "latent": (1, 40)}  # kind -> (KV heads, head dim)
 
 
@@ -101,8 +103,8 @@ def test_latent_pages_cross_tcp_into_an_fp8_latent_pool() -> None:
     receiver = make_transport("tcp", receiver_pool.io.layout, b"k", 5.0, PoolSink(receiver_pool.io))
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
-        receiver.open_receive(ReceiveSpec("m", 0, [8, 3, 5], 11, 7))
-        sender.send(SendSpec("m", endpoint, PoolPageSource(sender_pool.io, [2, 0, 9]), 12, 7))
+        receiver.open_receive(ReceiveSpec(TID_M, 0, [8, 3, 5], 11, 7))
+        sender.send(SendSpec(TID_M, endpoint, PoolPageSource(sender_pool.io, [2, 0, 9]), 12, 7))
         deadline = time.monotonic() + 10
         events = []
         while not events and time.monotonic() < deadline:
@@ -129,9 +131,9 @@ def test_a_part_of_the_heads_goes_out_under_its_own_layout() -> None:
     receiver = make_transport("tcp", part_layout, b"k", 5.0, PoolSink(receiver_pool.io))
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
-        receiver.open_receive(ReceiveSpec("h", 0, [4, 1], 7, 3))
+        receiver.open_receive(ReceiveSpec(TID_H, 0, [4, 1], 7, 3))
         heads = sender_pool.io.read([6, 2])[:, :, :, :, 1:2].contiguous()
-        sender.send(SendSpec("h", endpoint, TensorPageSource(heads, None), 8, 3, layout=part_layout))
+        sender.send(SendSpec(TID_H, endpoint, TensorPageSource(heads, None), 8, 3, layout=part_layout))
         deadline = time.monotonic() + 10
         events = []
         while not events and time.monotonic() < deadline:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from tiny_models import make_tiny_model
 
+from hearth.kv_transfer.auth import sign_instruction
 from hearth.server.process import ServerProcess, free_port
 
 SECRET = "pd-test-secret"
@@ -32,6 +33,13 @@ WEATHER_TOOL = {
     },
 }
 COMMON = ["--max-model-len", "1024", "--kv-cache-memory", "0.05", "--page-size", "8", "--max-num-seqs", "256"]
+
+
+def instruction(role: str, transfer_id: str, peer_url: str) -> dict[str, Any]:
+    """A `kv_transfer` field as the router writes it: signed with the deployment secret."""
+    peer = "decode_url" if role == "prefill" else "prefill_url"
+    fields = sign_instruction(SECRET.encode(), role, transfer_id, peer_url)
+    return {"role": role, "transfer_id": transfer_id, peer: peer_url, **fields}
 
 
 def serve(model: Path, log: Path, *extra: str) -> ServerProcess:
@@ -224,17 +232,17 @@ def test_prefill_answer_reports_the_transfer_and_its_cached_tokens(deployment: d
     prefill, decode = deployment["prefill"], deployment["decode"]
     body = {"prompt": "A prompt that both servers will see twice " * 10, "max_tokens": 4, "temperature": 0}
     moved = []
-    for attempt in range(2):
-        transfer_id = f"manual-{attempt}-{random.getrandbits(64):x}"
+    for _ in range(2):
+        transfer_id = f"{random.getrandbits(128):032x}"
         before = metric(decode.url, "hearth_kv_transfer_pages_total")
         decode_body = {
             **body,
-            "kv_transfer": {"role": "decode", "transfer_id": transfer_id, "prefill_url": prefill.url},
+            "kv_transfer": instruction("decode", transfer_id, prefill.url),
         }
         prefill_body = {
             **body,
             "max_tokens": 1,
-            "kv_transfer": {"role": "prefill", "transfer_id": transfer_id, "decode_url": decode.url},
+            "kv_transfer": instruction("prefill", transfer_id, decode.url),
         }
 
         async def both(
@@ -361,7 +369,53 @@ def test_prefill_killed_mid_transfer_every_request_still_completes(deployment: d
         doomed.stop()
 
 
-def test_a_wrong_secret_is_refused_and_the_decode_server_recomputes(deployment: dict[str, Any]) -> None:
+def test_a_client_written_kv_transfer_is_refused_and_sends_nothing(deployment: dict[str, Any]) -> None:
+    """Issue 30's poisoning started with a client's own `kv_transfer.decode_url` pointing the prefill
+    server at a fake decode server. Unsigned, altered or foreign-signed instructions get a 403 and the
+    fake is never contacted; a signed one still works (the test above)."""
+    import socket
+
+    prefill, decode = deployment["prefill"], deployment["decode"]
+    fake = socket.create_server(("127.0.0.1", 0))
+    fake.settimeout(0.5)
+    fake_url = f"http://127.0.0.1:{fake.getsockname()[1]}"
+    transfer_id = f"{random.getrandbits(128):032x}"
+    body = {"prompt": "poison " * 20, "max_tokens": 1, "temperature": 0}
+    signed_for_real = instruction("prefill", transfer_id, decode.url)
+    try:
+        for kv_transfer in (
+            {"role": "prefill", "transfer_id": transfer_id, "decode_url": fake_url},
+            {**signed_for_real, "decode_url": fake_url},  # the router's signature, another peer
+            {
+                "role": "prefill",
+                "transfer_id": transfer_id,
+                "decode_url": fake_url,
+                "expires": 2**40,
+                "signature": "0" * 64,
+            },
+        ):
+            answer = httpx.post(
+                prefill.url + "/v1/completions", json={**body, "kv_transfer": kv_transfer}, timeout=60
+            )
+            assert answer.status_code == 403, answer.text
+            assert answer.json()["error"]["code"] == "kv_transfer_unauthenticated"
+        answer = httpx.post(
+            decode.url + "/v1/completions",
+            json={**body, "kv_transfer": {"role": "decode", "transfer_id": transfer_id}},
+            timeout=60,
+        )
+        assert answer.status_code == 403, answer.text
+        with pytest.raises(TimeoutError):
+            fake.accept()  # nobody came
+    finally:
+        fake.close()
+
+
+def test_a_prefill_server_with_another_secret_refuses_the_routers_instructions(
+    deployment: dict[str, Any],
+) -> None:
+    """A server of another deployment (another secret) follows none of this router's instructions: it
+    answers 403, nothing moves, and the decode server computes the prompt itself."""
     root, decode = deployment["root"], deployment["decode"]
     impostor = ServerProcess(
         ["--model", str(deployment["model"]), *COMMON, "--role", "prefill", "--kv-transfer-secret", "not-it"],
@@ -370,7 +424,18 @@ def test_a_wrong_secret_is_refused_and_the_decode_server_recomputes(deployment: 
     impostor.start()
     try:
         impostor.wait_ready(timeout_s=900)
-        refused_before = metric(decode.url, "hearth_kv_transfer_failures_total")
+        transfer_id = f"{random.getrandbits(128):032x}"
+        refused = httpx.post(
+            impostor.url + "/v1/completions",
+            json={
+                "prompt": "x",
+                "max_tokens": 1,
+                "kv_transfer": instruction("prefill", transfer_id, decode.url),
+            },
+            timeout=60,
+        )
+        assert refused.status_code == 403 and "bad signature" in refused.text
+        failures_before = metric(decode.url, "hearth_kv_transfer_failures_total")
         router = Router([impostor.url], [decode.url], root / "router-impostor.log")
         try:
             answer = post(router.url, "/v1/completions", {"prompt": "secret test " * 20, "max_tokens": 4})
@@ -379,10 +444,7 @@ def test_a_wrong_secret_is_refused_and_the_decode_server_recomputes(deployment: 
             router.stop()
     finally:
         impostor.stop()
-    assert metric(decode.url, "hearth_kv_transfer_failures_total") == refused_before + 1
-    # Refused at the handshake (so the decode request recomputed at once), not left to its timeout.
-    assert "did not present this deployment's KV transfer secret" in decode.log()
-    assert "did not prove it holds this deployment's secret" in impostor.log()
+    assert metric(decode.url, "hearth_kv_transfer_failures_total") == failures_before + 1  # timed out
 
 
 def test_waiting_for_kv_does_not_spin_and_a_missing_transfer_is_recomputed(
@@ -401,7 +463,7 @@ def test_waiting_for_kv_does_not_spin_and_a_missing_transfer_is_recomputed(
 
     def send() -> None:
         result["answer"] = post(
-            decode.url, "/v1/completions", {**body, "kv_transfer": {"role": "decode", "transfer_id": "never"}}
+            decode.url, "/v1/completions", {**body, "kv_transfer": instruction("decode", "0" * 32, "")}
         )
 
     import threading

@@ -215,3 +215,51 @@ async def test_idle_and_stalled_connections_are_closed_but_busy_ones_are_not(
     assert await asyncio.wait_for(app.stream_outcome, 5.0) == "ended"
     for writer in (idle_writer, stalled_writer, busy_writer):
         writer.close()
+
+
+async def test_a_content_length_past_the_limit_is_413_before_any_body(app: App) -> None:
+    """`Content-Length: 100000000000` is refused from the header at once, not read up to the limit."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    try:
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100000000000\r\n\r\n"
+        )  # no body sent
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 2.0)
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"larger than" in answer
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("shape", ["one_header", "many_headers", "long_url", "dripped"])
+async def test_headers_past_60_kib_are_431(app: App, shape: str) -> None:
+    big = b"a" * (front.MAX_HEADER_BYTES + 10)
+    if shape == "one_header":
+        head = b"GET /hello HTTP/1.1\r\nhost: x\r\nx-big: " + big + b"\r\n\r\n"
+    elif shape == "many_headers":
+        head = (
+            b"GET /hello HTTP/1.1\r\n"
+            + b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 100) for i in range(700))
+            + b"\r\n"
+        )
+    else:
+        head = b"GET /hello?q=" + big + b" HTTP/1.1\r\nhost: x\r\n\r\n"
+    if shape != "dripped":
+        answer = await raw_exchange(app, head)
+    else:  # a header that never ends, in small pieces: cut once 60 KiB have come
+        reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+        try:
+            writer.write(b"GET /hello HTTP/1.1\r\nx-big: ")
+            for _ in range(16):  # 64 KiB, then wait (more would race the close into a reset)
+                writer.write(b"b" * 4096)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            answer = await asyncio.wait_for(reader.read(), 5.0)
+        finally:
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+    # just under the limit is served
+    ok = await raw_exchange(
+        app, b"GET /hello HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-b: " + b"a" * 50000 + b"\r\n\r\n"
+    )
+    assert ok.startswith(b"HTTP/1.1 200 ")

@@ -189,3 +189,58 @@ def test_vllm_adapter_is_sequential_and_hands_over_kv_transfer_params() -> None:
     assert decode["kv_transfer_params"] == {"remote_block_ids": [1]}
     with pytest.raises(ValueError, match="unknown PD protocol"):
         make_pd_adapter("mooncake-magic")
+
+
+def test_hearth_instructions_are_signed_for_the_peer_the_router_chose() -> None:
+    """The servers follow only signed instructions (hearth.kv_transfer.auth): each side's signature
+    names the transfer and the other side of the pair, so a client cannot redirect either."""
+    from hearth.kv_transfer.auth import instruction_refusal
+
+    secret = b"deployment"
+    adapter, pair = make_pd_adapter("hearth", secret), _pair()
+    prefill = adapter.prefill_body(CHAT, pair)["kv_transfer"]
+    decode = adapter.decode_body(CHAT, pair, None)["kv_transfer"]
+    assert (
+        instruction_refusal(
+            secret, "prefill", pair.transfer_id, pair.decode.url, prefill["expires"], prefill["signature"]
+        )
+        is None
+    )
+    assert (
+        instruction_refusal(
+            secret, "decode", pair.transfer_id, pair.prefill.url, decode["expires"], decode["signature"]
+        )
+        is None
+    )
+    assert instruction_refusal(
+        secret, "prefill", pair.transfer_id, "http://elsewhere:1", prefill["expires"], prefill["signature"]
+    )
+    assert "signature" not in make_pd_adapter("hearth").prefill_body(CHAT, pair)["kv_transfer"]
+
+
+async def test_a_stopped_prefill_holds_a_finished_answer_briefly_and_an_unhealthy_one_not_at_all() -> None:
+    """Issue 30: finished answers waited up to 30 s for a stopped prefill server's usage."""
+    import asyncio
+    import time
+
+    assert RouterConfig().prefill_usage_wait_s <= 2.0
+    router = Router(replace(RouterConfig(), prefill_usage_wait_s=0.5), WorkerPool())
+    worker = Worker("http://127.0.0.1:1", "prefill")
+    never: asyncio.Task[dict[str, Any] | None] = asyncio.create_task(asyncio.sleep(3600))  # type: ignore[arg-type]
+    try:
+        started = time.monotonic()
+        assert await router._prefill_cached_tokens(never, worker) is None
+        assert 0.4 < time.monotonic() - started < 1.5
+        worker.healthy = False  # the health checker saw it stop
+        started = time.monotonic()
+        assert await router._prefill_cached_tokens(never, worker) is None
+        assert time.monotonic() - started < 0.05
+    finally:
+        never.cancel()
+
+    async def answered() -> dict[str, Any]:
+        return {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}}}
+
+    worker.healthy = True
+    assert await router._prefill_cached_tokens(asyncio.create_task(answered()), worker) == 7
+    await router.close()

@@ -397,3 +397,34 @@ async def test_a_client_that_leaves_mid_stream_releases_its_load(cluster: Cluste
     while not cluster.workers[0].streams_aborted:
         assert time.monotonic() < deadline, "the worker's stream was never cut off"
         await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "header, body_extra",
+    [
+        ("x-claude-code-session-id", {}),
+        ("session-id", {}),  # Codex
+        ("x-session-id", {}),  # OpenCode
+        (None, {"metadata": {"user_id": "user_ab12_account__session_{session}"}}),  # older Claude Code
+        (None, {"prompt_cache_key": "{session}"}),  # OpenAI's own affinity hint
+    ],
+)
+async def test_harness_session_ids_keep_a_session_on_one_worker(
+    cluster: Cluster, header: str | None, body_extra: dict[str, Any]
+) -> None:
+    for _ in range(3):
+        await cluster.add_worker()
+    await cluster.start_router()
+    assert cluster.http is not None
+    by_session: dict[str, set[str]] = {}
+    for _turn in range(3):
+        for session in ("0a1b2c3d-1", "0a1b2c3d-2", "0a1b2c3d-3", "0a1b2c3d-4"):
+            extra = json.loads(json.dumps(body_extra).replace("{session}", session))
+            async with cluster.http.post(
+                cluster.url + "/v1/chat/completions",
+                json={**CHAT, **extra},
+                headers={header: session} if header else {},
+            ) as resp:
+                by_session.setdefault(session, set()).add((await resp.json())["worker"])
+    assert all(len(names) == 1 for names in by_session.values())
+    assert len(set().union(*by_session.values())) > 1, "sessions spread over the workers"

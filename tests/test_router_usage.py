@@ -102,3 +102,39 @@ def test_estimators_count_tokens(tmp_path) -> None:
     estimator = TokenizerEstimator(tmp_path)
     assert estimator.encode("hello world hello") == [1, 2, 1]
     assert estimator.count("hello zebra") == 2
+
+
+def test_responses_usage_gets_the_prefill_sides_cached_tokens_in_json_and_events() -> None:
+    from hearth.router.usage import cached_tokens_of, rewrite_event, rewrite_json_body
+
+    usage = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5}
+    body = json.dumps({"object": "response", "usage": usage}).encode()
+    assert json.loads(rewrite_json_body(body, 64))["usage"]["input_tokens_details"]["cached_tokens"] == 64
+    event = (
+        b"event: response.completed\ndata: " + json.dumps({"response": {"usage": usage}}).encode() + b"\n\n"
+    )
+    rewritten = rewrite_event(event, 64)
+    assert rewritten.startswith(b"event: response.completed\n")
+    payload = json.loads(rewritten.split(b"data: ", 1)[1])
+    assert cached_tokens_of(payload["response"]["usage"]) == 64
+
+
+def test_messages_usage_moves_cached_tokens_out_of_input_tokens() -> None:
+    from hearth.router.usage import cached_tokens_of, rewrite_event, rewrite_json_body
+
+    usage = {
+        "input_tokens": 100,
+        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": 5,
+    }
+    rewritten = json.loads(rewrite_json_body(json.dumps({"type": "message", "usage": usage}).encode(), 64))
+    assert rewritten["usage"]["cache_read_input_tokens"] == 64 and rewritten["usage"]["input_tokens"] == 36
+    assert cached_tokens_of(rewritten["usage"]) == 64
+    start = b"event: message_start\ndata: " + json.dumps({"message": {"usage": usage}}).encode() + b"\n\n"
+    out = json.loads(rewrite_event(start, 64).split(b"data: ", 1)[1])
+    assert out["message"]["usage"]["input_tokens"] == 36
+    only_output = (
+        b"event: message_delta\ndata: " + json.dumps({"usage": {"output_tokens": 5}}).encode() + b"\n\n"
+    )
+    assert rewrite_event(only_output, 64) == only_output

@@ -348,3 +348,42 @@ def test_extreme_penalties_never_pick_a_forbidden_token(
     for _ in range(20):
         out = Sampler(vocab, {vocab - 1})(masked.clone(), rows)
         assert all(token in allowed for token in out.token_ids), out.token_ids
+
+
+# ---- logit_bias ------------------------------------------------------------------------------
+
+
+def test_logit_bias_moves_the_greedy_pick_and_only_its_row() -> None:
+    sampler = Sampler(VOCAB, {EOS})
+    logits = _logits(2)
+    target = int(logits[0].argmin())
+    rows = [_row(temperature=0.0, logit_bias={target: 100.0}), _row(temperature=0.0)]
+    picked = sampler(logits.clone(), rows).token_ids
+    assert picked == [target, int(logits[1].argmax())]
+
+
+def test_logit_bias_minus_100_bans_a_token_from_sampling() -> None:
+    sampler = Sampler(VOCAB, {EOS})
+    row = _logits(1)[0]
+    favourite = int(row.argmax())
+    draws = _draw_many(sampler, row, 200, temperature=1.0, logit_bias={favourite: -100.0})
+    assert favourite not in draws.tolist()
+
+
+def test_logit_bias_keeps_logprobs_raw() -> None:
+    sampler = Sampler(VOCAB, {EOS})
+    logits = _logits(1)
+    target = int(logits[0].argmin())
+    out = sampler(logits.clone(), [_row(temperature=0.0, logprobs=0, logit_bias={target: 100.0})])
+    expected = torch.log_softmax(logits[0], dim=-1)[target].item()
+    assert out.token_ids == [target]
+    assert out.logprobs[0] is not None and out.logprobs[0].logprob == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {3: 101.0}, {3: math.nan}])
+def test_bad_logit_bias_is_refused_by_name(bias: dict[int, float]) -> None:
+    from hearth.engine.sampling_params import InvalidParamError
+
+    with pytest.raises(InvalidParamError) as raised:
+        SamplingParams(logit_bias=bias)
+    assert raised.value.param == "logit_bias"

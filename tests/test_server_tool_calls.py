@@ -1,22 +1,20 @@
 """Tool calls through the live server, from text the model really generates.
 
-The checkpoint here is scripted, not mocked: its attention and MLP outputs are zero, so each next token
-depends only on the current one, and its LM head maps the end of the chat prompt to a fixed answer made
-of added tokens: some text, then two Hermes tool calls, then EOS. The real engine generates that answer
-and the real server parses it, streamed and not.
+The checkpoint here is scripted, not mocked (scripted_model.py): its attention and MLP outputs are zero, so
+each next token depends only on the current one, and its LM head maps the end of the chat prompt to a fixed
+answer made of added tokens: some text, then two Hermes tool calls, then EOS. The real engine generates that
+answer and the real server parses it, streamed and not.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
-from tiny_models import make_tiny_model
+from scripted_model import scripted_model
 
-from hearth.server.chat_template import ChatTemplate
 from hearth.server.process import ServerProcess
 
 CALL_1 = {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -38,41 +36,10 @@ TOOLS = [
 MESSAGES = [{"role": "user", "content": "Weather in Paris and the time in Tokyo?"}]
 
 
-def _script_model(path: Path) -> None:
-    import torch
-    from safetensors.torch import load_file, save_file
-    from tokenizers import AddedToken, Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tokenizer.add_tokens([AddedToken(piece, normalized=False, special=False) for piece in ANSWER])
-    tokenizer.save(str(path / "tokenizer.json"))
-    answer_ids = [tokenizer.token_to_id(piece) for piece in ANSWER]
-    eos_id = tokenizer.token_to_id("<|im_end|>")
-    prompt = ChatTemplate.from_dir(path).render(MESSAGES, tools=TOOLS, add_generation_prompt=True)
-    last_prompt_id = tokenizer.encode(prompt, add_special_tokens=False).ids[-1]
-    chain = [last_prompt_id, *answer_ids, eos_id]
-
-    weights = load_file(str(path / "model.safetensors"))
-    hidden = weights["model.embed_tokens.weight"].shape[1]
-    for name, tensor in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensor.zero_()  # the residual stream stays the current token's embedding
-    weights["model.norm.weight"].fill_(1.0)
-    sources = chain[:-1]
-    basis, _ = torch.linalg.qr(torch.randn(hidden, len(sources), generator=torch.Generator().manual_seed(0)))
-    head = torch.zeros_like(weights["lm_head.weight"])
-    for k, (source, target) in enumerate(zip(sources, chain[1:], strict=True)):
-        weights["model.embed_tokens.weight"][source] = basis[:, k]
-        head[target] = 50.0 * basis[:, k]
-    weights["lm_head.weight"] = head
-    save_file(weights, str(path / "model.safetensors"))
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("scripted")
-    model = make_tiny_model(root / "scripted", vocab_size=520)
-    _script_model(model)
+    model = scripted_model(root, ANSWER, MESSAGES, TOOLS)
     process = ServerProcess(
         ["--model", str(model), "--kv-cache-memory", "0.02", "--max-model-len", "512"], root / "server.log"
     )
@@ -143,3 +110,44 @@ def test_without_tools_the_text_is_returned_as_is(client: openai.OpenAI) -> None
     )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == "".join(ANSWER)
+
+
+def test_parallel_tool_calls_false_returns_at_most_one_call(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model="scripted",
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=20,
+        temperature=0.0,
+        parallel_tool_calls=False,
+    )
+    assert _calls(response.choices[0].message.tool_calls) == [CALL_1]
+    assert response.choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_streams_at_most_one_call(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="scripted",
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=20,
+        temperature=0.0,
+        parallel_tool_calls=False,
+        stream=True,
+    )
+    names = [
+        delta.function.name
+        for chunk in stream
+        for choice in chunk.choices
+        for delta in choice.delta.tool_calls or []
+        if delta.function.name
+    ]
+    assert names == ["get_weather"]
+
+
+def test_reasoning_effort_with_a_template_that_ignores_it_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="scripted", messages=MESSAGES, max_tokens=2, reasoning_effort="low"
+        )
+    assert refused.value.body["param"] == "reasoning_effort"

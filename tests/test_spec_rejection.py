@@ -205,4 +205,62 @@ def test_a_requests_first_drafted_step_is_not_charged_to_the_payoff():
     speculator.observe("r0", 2, 2)
     speculator.propose([request])
     speculator.step_finished([ScheduledRequest(request, 3, [5, 5])], num_output_tokens=3)
-    assert list(speculator.payoff.cost_s) == [(1, True)]
+    assert list(speculator.payoff.cost_s) == [(1, 2)]  # (batch size bucket, draft cap K)
+
+
+def test_payoff_settles_each_batch_size_on_its_cheapest_draft_cap():
+    from hearth.engine.speculative.speculator import _EXPLORE_EVERY_STEPS, Payoff, draft_caps
+
+    assert draft_caps(8) == (8, 2, 0) and draft_caps(1) == (1, 0)
+    payoff = Payoff(draft_caps(8))
+    assert [payoff.choose(16) for _ in range(3)] == [8, 8, 8]  # unmeasured caps first, largest first
+    payoff.record(16, 8, seconds=1.0, num_tokens=10)
+    assert payoff.choose(16) == 2
+    payoff.record(16, 2, seconds=0.6, num_tokens=10)
+    assert payoff.choose(16) == 0
+    payoff.record(16, 0, seconds=0.8, num_tokens=10)
+    choices = [payoff.choose(16) for _ in range(4 * _EXPLORE_EVERY_STEPS)]
+    assert choices.count(2) == len(choices) - 4  # short drafts pay at this batch size...
+    assert sorted(set(choices)) == [0, 2, 8]  # ...and the other caps are re-measured in turn
+    payoff.record(1, 8, seconds=0.2, num_tokens=10)  # batch 1 is measured on its own
+    assert payoff.choose(1) == 2
+
+
+def test_a_step_under_a_cap_proposes_no_more_than_the_cap_and_is_recorded_under_it():
+    from hearth.engine.scheduler import ScheduledRequest
+
+    proposer = FixedProposer()
+    speculator = Speculator(proposer, max_num_tokens=8, max_batch_size=8)
+    speculator.payoff.cost_s[(1, 8)] = 1.0  # K=8 measured expensive at batch 1: the cap of 2 is tried next
+    request = decoding_request(0)
+    speculator.observe("r0", 4, 4)  # not its first drafted step
+    speculator.propose([request])
+    assert request.draft_token_ids == [5, 5]
+    speculator.step_finished([ScheduledRequest(request, 3, [5, 5])], num_output_tokens=3)
+    assert (1, 2) in speculator.payoff.cost_s
+
+
+class ConfidentProposer(FixedProposer):
+    sizes_own_drafts = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done: list[tuple[str, list[int], bytes]] = []
+
+    def request_done(self, request: ProposalRequest) -> None:
+        self.done.append((request.request_id, list(request.token_ids), request.tenant))
+
+
+def test_a_proposer_sizing_its_own_drafts_gets_k_and_learns_each_finished_request():
+    proposer = ConfidentProposer()
+    speculator = Speculator(proposer, max_num_tokens=6, max_batch_size=8, adaptive=False)
+    request = decoding_request(0)
+    for _ in range(4):
+        speculator.observe("r0", 6, 1)  # low acceptance would shrink K for others (to 3)...
+    speculator.propose([request])
+    assert proposer.asked == [6]  # ...not for a proposer that stops where it is unsure
+    request.token_ids += [9, 9]
+    speculator.request_finished("r0")
+    assert proposer.done == [("r0", [1, 2, 3, 9, 9], root_key("m"))]
+    speculator.request_finished("r0")  # a second end (abort after finish) teaches nothing twice
+    assert len(proposer.done) == 1

@@ -111,6 +111,24 @@ def test_split_k_decode_matches_reference(num_splits: int | None, window: int | 
     torch.testing.assert_close(out.cpu().double(), expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+@pytest.mark.parametrize("window", [None, 50])
+def test_per_row_split_decode_ignores_the_host_length_bound(num_splits: int, window: int | None) -> None:
+    """What a CUDA graph captures: splits cut per row on the device; `max_seq_len` is a stale bound
+    (here far too small) and must not matter."""
+    heads, kv_heads, head_dim, page_size, scale = 6, 2, 16, 8, 0.25
+    context_lens = [1, 3, 130, 300]
+    k_pool, v_pool, table, dense = make_paged(context_lens, kv_heads, head_dim, page_size, torch.float32)
+    q = torch.randn(len(context_lens), heads, head_dim, generator=torch.Generator().manual_seed(5))
+    out = paged_decode(
+        q.to(DEVICE), k_pool.to(DEVICE), v_pool.to(DEVICE), table.to(DEVICE),
+        torch.tensor(context_lens, device=DEVICE), 1, scale, page_size, sliding_window=window,
+        num_splits=num_splits, per_row_splits=True,
+    )  # fmt: skip
+    expected = reference_attention(q, dense, [1] * len(context_lens), scale, window)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=2e-5, rtol=2e-5)
+
+
 def test_fp8_pool_is_dequantized_with_per_head_scales() -> None:
     heads, kv_heads, head_dim, page_size, scale = 4, 2, 16, 4, 0.25
     context_lens, query_lens = [12, 20], [1, 6]

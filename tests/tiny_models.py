@@ -77,6 +77,19 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "qk_rope_head_dim": 8,
         "v_head_dim": 16,
     },
+    # Gemma 3 (text): 2 sliding-window layers, then a full one, and a sliding one after it.
+    "gemma3": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "query_pre_attn_scalar": 24,
+        "tie_word_embeddings": True,
+        "rope_local_base_freq": 10000.0,
+        "rope_theta": 1000000.0,
+    },
     "glm4_moe": {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("bench", "compare"): ("hearth.bench.compare", "print ratios between two bench result files"),
     ("eval",): ("hearth.eval.cli", "quality of precision configurations against a reference"),
+    ("build-kernels",): ("hearth.build_kernels", "compile the CPU kernels ahead of the first server start"),
 }
 
 
@@ -31,7 +32,7 @@ def _usage() -> str:
     for words, (_, help_text) in SUBCOMMANDS.items():
         lines.append(f"  {' '.join(words):<16} {help_text}")
     lines.append("")
-    lines.append("Run `hearth <command> --help` for a command's options.")
+    lines.append("Run `hearth <command> --help` for a command's options; `hearth --version` for the version.")
     return "\n".join(lines)
 
 
@@ -48,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv[0] in ("-V", "--version", "version"):
+        import hearth
+
+        print(f"hearth {hearth.__version__}")
+        return 0
     matched = _match(argv)
     if matched is None:
         print(f"hearth: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
@@ -55,8 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     words, rest = matched
     module_name, help_text = SUBCOMMANDS[words]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog="hearth " + " ".join(words), description=help_text)
+    parser = argparse.ArgumentParser(
+        prog="hearth " + " ".join(words),
+        description=help_text,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     module.add_arguments(parser)
+    expand = getattr(module, "expand_config_file", None)  # `--config FILE` (hearth serve)
+    if expand is not None:
+        rest = expand(parser, rest)
     args = parser.parse_args(rest)
     return int(module.run(args) or 0)
 

@@ -8,8 +8,11 @@ output is printed with its name in front (`[prefill-0] ...`). Per-role options g
 `--prefill-args`, `--decode-args`, `--mixed-args` (e.g. a different `--kv-cache-dtype` or
 `--max-num-seqs` per role) and `--server-args` (every server); `--router-args` reaches the router.
 
-The deployment's KV transfer secret is made here (or taken from $HEARTH_KV_TRANSFER_SECRET) and
-handed to the servers in their environment. Nothing is restarted silently: if a child exits, the
+The deployment's KV transfer secret is made here (or taken from $HEARTH_KV_TRANSFER_SECRET or
+`--kv-transfer-secret-file`) and handed to the servers and the router in their environment, as is the
+router's admin key (`--admin-key-file`, $HEARTH_ROUTER_ADMIN_KEY). Secrets never reach a child's
+command line, where `ps` shows them: `--admin-key`, `--kv-transfer-secret` and `--api-key` given in
+`--*-args` are moved into the child's environment. Nothing is restarted silently: if a child exits, the
 launcher says which and how, stops the rest and exits 1. Ctrl-C or SIGTERM stops every child
 (SIGTERM, then SIGKILL after `--stop-timeout`); children also get SIGTERM from the kernel if the
 launcher itself is killed (PR_SET_PDEATHSIG), so no server outlives it.
@@ -50,6 +53,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ready-timeout", type=float, default=600.0, help="seconds servers get to become healthy"
     )
     parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds children get to stop")
+    parser.add_argument(
+        "--kv-transfer-secret-file", default=None, metavar="FILE", help="the deployment's KV transfer secret"
+    )
+    parser.add_argument("--admin-key-file", default=None, metavar="FILE", help="the router's admin key")
+
+
+# Options whose value is a secret -> the environment variable the child reads it from instead.
+SECRET_OPTIONS = {
+    "--admin-key": "HEARTH_ROUTER_ADMIN_KEY",
+    "--kv-transfer-secret": "HEARTH_KV_TRANSFER_SECRET",
+    "--api-key": "HEARTH_API_KEY",
+}
+
+
+def secrets_to_env(options: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`options` without any secret-valued option, and those values as environment variables."""
+    kept: list[str] = []
+    env: dict[str, str] = {}
+    index = 0
+    while index < len(options):
+        option = options[index]
+        name, equals, value = option.partition("=")
+        if name in SECRET_OPTIONS:
+            if not equals:
+                if index + 1 >= len(options):
+                    raise ValueError(f"{name} needs a value")
+                index += 1
+                value = options[index]
+            env[SECRET_OPTIONS[name]] = value
+        else:
+            kept.append(option)
+        index += 1
+    return kept, env
 
 
 def _die_with_parent() -> None:
@@ -66,6 +102,7 @@ class Child:
     name: str
     command: list[str]
     url: str | None = None
+    env: dict[str, str] = field(default_factory=dict)  # secrets moved off the command line
     process: subprocess.Popen[bytes] | None = None
     reader: threading.Thread | None = field(default=None, repr=False)
 
@@ -75,7 +112,7 @@ class Child:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env=env,
+            env={**env, **self.env},
             preexec_fn=_die_with_parent,
         )
         self.reader = threading.Thread(target=self._relay, args=(out,), name=f"log-{self.name}", daemon=True)
@@ -118,15 +155,15 @@ def plan(args: argparse.Namespace) -> list[Child]:
         for index in range(count):
             port = free_port()
             command = [*python, "serve", *model, "--host", "127.0.0.1", "--port", str(port), "--role", role]
-            command += shlex.split(args.server_args) + shlex.split(extra)
-            servers.append(Child(f"{role}-{index}", command, f"http://127.0.0.1:{port}"))
+            options, env = secrets_to_env(shlex.split(args.server_args) + shlex.split(extra))
+            servers.append(Child(f"{role}-{index}", command + options, f"http://127.0.0.1:{port}", env))
     router = [*python, "route", "--host", args.host, "--port", str(args.port)]
     for server in servers:
         flag = {"prefill": "--prefill", "decode": "--decode", "mixed": "--worker"}[server.name.split("-")[0]]
         router += [flag, str(server.url)]
-    router += shlex.split(args.router_args)
+    options, env = secrets_to_env(shlex.split(args.router_args))
     shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
-    return [*servers, Child("router", router, f"http://{shown_host}:{args.port}")]
+    return [*servers, Child("router", router + options, f"http://{shown_host}:{args.port}", env)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,8 +180,17 @@ def run(args: argparse.Namespace) -> int:
         print("hearth launch: nothing to launch; give --mixed N or --prefill N --decode M", file=sys.stderr)
         return 2
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("HEARTH_KV_TRANSFER_SECRET", secrets.token_hex(32))
-    children = plan(args)
+    if args.kv_transfer_secret_file:
+        env["HEARTH_KV_TRANSFER_SECRET_FILE"] = os.path.abspath(args.kv_transfer_secret_file)
+    elif not env.get("HEARTH_KV_TRANSFER_SECRET_FILE"):
+        env.setdefault("HEARTH_KV_TRANSFER_SECRET", secrets.token_hex(32))
+    if args.admin_key_file:
+        env["HEARTH_ROUTER_ADMIN_KEY_FILE"] = os.path.abspath(args.admin_key_file)
+    try:
+        children = plan(args)
+    except ValueError as exc:
+        print(f"hearth launch: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     errors: list[str] = []  # why the deployment stopped on its own (empty: stopped by a signal)
 

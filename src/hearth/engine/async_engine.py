@@ -110,7 +110,7 @@ class AsyncEngine:
         try:
             tokenizer: Tokenizer | Exception
             try:
-                tokenizer = Tokenizer.from_dir(config.model)  # while the core loads the model
+                tokenizer = Tokenizer.from_dir(config.tokenizer_dir)  # while the core loads the model
             except Exception as exc:  # the core's reason comes first if it fails too (a bad config.json)
                 tokenizer = exc
             ready = self._wait_ready()

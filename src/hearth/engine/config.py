@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from hearth.engine import config_values
 from hearth.kv.dtypes import KV_CACHE_DTYPE_CHOICES, check_kv_cache_dtype
 from hearth.model.quantization.select import QUANTIZATION_CHOICES
 
@@ -31,7 +32,9 @@ ROLE_CHOICES = ("mixed", "prefill", "decode")
 class EngineConfig:
     model: str
     dtype: str = "auto"
-    kv_cache_memory_gib: float = 1.0
+    # None: sized by `hearth.engine.kv_budget` (GPU: from free device memory and gpu_memory_utilization;
+    # CPU: $VLLM_CPU_KVCACHE_SPACE GiB, else 1 GiB).
+    kv_cache_memory_gib: float | None = None
     page_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -76,6 +79,21 @@ class EngineConfig:
     # step (0: auto, 2 x stages; 1: none), and the layers per stage (None: balanced by the cost model).
     pipeline_micro_batches: int = 0
     pipeline_stage_layers: tuple[int, ...] | None = None
+    # vLLM's options (docs/server.md "Coming from vLLM"): the share of device memory this server may use
+    # (weights + KV + activations), a tokenizer from elsewhere, ngram lookup lengths (min, max).
+    gpu_memory_utilization: float | None = None  # None: 0.9 on GPU, no cap on CPU (hearth.engine.kv_budget)
+    tokenizer: str | None = None
+    ngram_lookup: tuple[int, int] | None = None
+    # Tool-pause retention (hearth.engine.retention): seconds a session's pages stay held after its turn
+    # (0: off), and the shares of the KV pages all sessions, and one tenant's sessions, may hold.
+    session_retention_s: float = 0.0
+    session_retention_share: float = 0.25
+    session_retention_tenant_share: float = 0.1
+    # CUDA graphs for decode steps off (vLLM's --enforce-eager); they are on by default on CUDA.
+    enforce_eager: bool = False
+    # Overlap scheduling (hearth.engine.overlap): the host builds step N+1 while the worker runs step N.
+    # None: on with an accelerator, off on a CPU.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -87,8 +105,10 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}"
             )
-        if self.kv_cache_memory_gib <= 0:
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be > 0")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.page_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("page_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -139,6 +159,10 @@ class EngineConfig:
         return bool(self.kv_offload_memory_gib > 0 or self.kv_disk_dir or self.kv_store)
 
     @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
@@ -153,12 +177,19 @@ class EngineConfig:
             "--model", required=require_model, default=None, help="Hugging Face checkpoint directory"
         )
         group.add_argument(
-            "--served-model-name", default=None, help="model name in the API (default: directory name)"
+            "--served-model-name",
+            nargs="+",
+            default=None,
+            help="model name in the API; more names are accepted as aliases (default: directory name)",
+        )
+        group.add_argument(
+            "--tokenizer", default=None, help="tokenizer (and chat template) directory (default: the model's)"
         )
         group.add_argument(
             "--dtype",
             default="auto",
-            choices=DTYPE_CHOICES,
+            type=config_values.dtype,
+            metavar="{" + ",".join(DTYPE_CHOICES) + ",half,float}",
             help="weights/activations dtype; auto = the checkpoint's (float32 on CPUs without bf16/fp16 math)",
         )
         group.add_argument(
@@ -170,29 +201,70 @@ class EngineConfig:
         group.add_argument(
             "--kv-cache-dtype",
             default="auto",
-            choices=KV_CACHE_DTYPE_CHOICES,
-            help="KV cache storage dtype; auto = the model's dtype; fp8_e4m3 halves the bytes per token (per-head scales from the checkpoint or a calibration pass)",
+            type=config_values.kv_cache_dtype,
+            metavar="{" + ",".join(KV_CACHE_DTYPE_CHOICES) + ",fp8}",
+            help="KV cache storage dtype (fp8 = fp8_e4m3); auto = the model's dtype; fp8_e4m3 halves the bytes per token (per-head scales from the checkpoint or a calibration pass)",
         )
         group.add_argument(
             "--kv-cache-memory",
             dest="kv_cache_memory_gib",
             type=float,
-            default=1.0,
-            help="memory for the KV cache, GiB",
+            default=None,
+            help="memory for the KV cache, GiB (default: GPU: what --gpu-memory-utilization leaves after the "
+            "weights; CPU: $VLLM_CPU_KVCACHE_SPACE, else 1)",
         )
-        group.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+        group.add_argument(
+            "--gpu-memory-utilization",
+            type=config_values.memory_fraction,
+            default=None,
+            help="share of the device's memory this server may use (weights, KV cache, activations); "
+            "the KV cache gets what is left of it (default 0.9). On CPU (when given): a cap on weights + KV cache as a share of the "
+            "host memory available at start",
+        )
+        group.add_argument(
+            "--page-size", "--block-size", dest="page_size", type=int, default=16, help="tokens per KV page"
+        )
         group.add_argument(
             "--max-num-batched-tokens", type=int, default=2048, help="token budget per engine step"
         )
         group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-        group.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
         group.add_argument(
-            "--no-prefix-caching",
+            "--max-model-len",
+            type=config_values.max_model_len,
+            default=None,
+            help="context limit in tokens: 4096, 32k (32000), 32K (32768), auto (default: the model's, "
+            "bounded by the KV cache)",
+        )
+        group.add_argument(
+            "--enable-prefix-caching",
             dest="enable_prefix_caching",
-            action="store_false",
-            help="turn prefix caching off",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="reuse the KV of shared prompt prefixes",
+        )
+        group.add_argument(
+            "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS
         )
         group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+        group.add_argument(
+            "--session-retention-s",
+            type=float,
+            default=0.0,
+            help="keep an agent session's KV pages for this long after each turn, so the next turn (after a "
+            "tool call) finds them (0: off; sessions are named by the session headers or previous_response_id)",
+        )
+        group.add_argument(
+            "--session-retention-share",
+            type=float,
+            default=0.25,
+            help="largest share of the KV pages that retained sessions may hold",
+        )
+        group.add_argument(
+            "--session-retention-tenant-share",
+            type=float,
+            default=0.1,
+            help="largest share of the KV pages that one tenant's retained sessions may hold",
+        )
         group.add_argument(
             "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)"
         )
@@ -211,8 +283,10 @@ class EngineConfig:
         )
         group.add_argument(
             "--quantization",
+            "-q",
             default="auto",
-            choices=QUANTIZATION_CHOICES,
+            type=config_values.quantization,
+            metavar="{" + ",".join(QUANTIZATION_CHOICES) + "}",
             help="weights: auto = as the checkpoint's quantization_config says (GPTQ/AWQ/compressed-tensors INT4, "
             "FP8 blocks), else dense; int4 = round-to-nearest INT4 per group at load time",
         )
@@ -233,6 +307,7 @@ class EngineConfig:
         )
         parallel.add_argument(
             "--expert-parallel",
+            "--enable-expert-parallel",
             action="store_true",
             help="MoE models: each tensor-parallel rank holds whole experts (a 1/N share of them) instead of a slice of each",
         )
@@ -253,8 +328,10 @@ class EngineConfig:
         spec.add_argument(
             "--speculative-method",
             default=None,
-            choices=("draft", "ngram", "eagle3"),
-            help="propose tokens for the target to verify: a draft model, prompt lookup (ngram), or an EAGLE-3 head",
+            choices=("draft", "ngram", "suffix", "eagle3"),
+            help="propose tokens for the target to verify: a draft model, prompt lookup (ngram), suffix decoding "
+            "over the request and its tenant's earlier answers (suffix; try --num-speculative-tokens 8), or an "
+            "EAGLE-3 head",
         )
         spec.add_argument(
             "--speculative-model",
@@ -270,6 +347,13 @@ class EngineConfig:
             default=None,
             help="no speculation in steps with more decode rows than this (it stops paying); "
             "default 8 on CPU, 32 on accelerators",
+        )
+        spec.add_argument(
+            "--speculative-config",
+            type=config_values.speculative_config,
+            default=None,
+            help='vLLM\'s JSON form: {"method": "ngram"|"draft_model"|"eagle3", "model": DIR, '
+            '"num_speculative_tokens": N, "prompt_lookup_max": N, "prompt_lookup_min": N}',
         )
         group.add_argument(
             "--kv-offload-memory",
@@ -302,8 +386,28 @@ class EngineConfig:
             help="layers per pipeline stage, e.g. 30,31 (default: balanced by a cost model measured at start)",
         )
 
+        group.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            help="run every step eagerly: no CUDA graphs for decode steps (they are captured at start on CUDA)",
+        )
+        group.add_argument(
+            "--async-scheduling",
+            type=_on_off,
+            default=None,
+            help="on/off: build the next decode step while the current one runs (default: on with a GPU)",
+        )
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        names = values.get("served_model_name")
+        if isinstance(names, list):  # vLLM takes several; the first is the one answers carry
+            values["served_model_name"] = names[0]
+        speculative = getattr(args, "speculative_config", None)
+        if speculative:
+            if getattr(args, "speculative_method", None) is not None:
+                raise ValueError("give --speculative-config or --speculative-method, not both")
+            values.update(speculative)
         values.update(overrides)
         return cls(**values)

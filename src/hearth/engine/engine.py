@@ -13,12 +13,14 @@ from itertools import count
 import torch
 
 from hearth.contracts.kv_ops import KVOps
+from hearth.engine import prompt_logprobs
 from hearth.engine.config import EngineConfig
 from hearth.engine.kv_connector import KVConnector, KVLoadCoordinator, KVOpQueue
 from hearth.engine.kv_connectors.tiers import TierConnector
 from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR, KVIntegrityPolicy
 from hearth.engine.messages import CoreOutput, EngineRequest, EngineStats
 from hearth.engine.outputs import FinishReason, TokenLogprob
+from hearth.engine.overlap import LaunchedStep, StepRunner, continuation, continues
 from hearth.engine.request import Request, RequestStatus
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.scheduler import ScheduledRequest, Scheduler
@@ -73,7 +75,16 @@ class Engine:
         self._totals = {"prompt": 0, "cached": 0, "generated": 0, "preempted": 0}
         # Last outputs of PD prefill requests whose KV is still being sent (see PeerKVConnector).
         self._deferred: dict[str, CoreOutput] = {}
+        self._prompt_logprobs = 0  # live requests that asked for prompt logprobs (issue 27): 0 costs nothing
         self.kv_transfer_endpoint: str | None = None  # decode role: set by the factory
+        # Overlap scheduling (hearth.engine.overlap): one process's own worker, no drafts, no KV from elsewhere.
+        overlap = config.async_scheduling
+        if overlap is None:
+            overlap = isinstance(worker, Worker) and worker.device.type != "cpu"
+        overlap = overlap and isinstance(worker, Worker) and speculator is None and not kv_connectors
+        self.runner = StepRunner(worker.execute, overlap, worker.device if overlap else None)
+        self._in_flight: LaunchedStep | None = None  # overlap: the step on the worker, launched last step()
+        self.num_overlapped_steps = 0
 
     @property
     def vocab_size(self) -> int:
@@ -90,12 +101,14 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._deferred) or self.kv_loads.busy or self.kv_loads.has_ops
+        in_flight = self._in_flight is not None
+        kv_busy = self.kv_loads.busy or self.kv_loads.has_ops
+        return self.scheduler.has_work or bool(self._deferred) or kv_busy or in_flight
 
     @property
     def has_runnable_work(self) -> bool:
         """Requests a step would compute; without them the loop sleeps until KV news or a message."""
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._in_flight)
 
     @property
     def only_waiting_for_kv(self) -> bool:
@@ -120,7 +133,8 @@ class Engine:
         if kv_ops is not None:
             step = self.step_inputs.build([], self.structured)
             step.kv_ops = kv_ops
-            self.kv_loads.on_events(self.worker.execute(step).kv_events)
+            # Through the runner: in order with any step it runs on its thread.
+            self.kv_loads.on_events(self.runner.launch([], step).result().kv_events)
 
     def close(self) -> None:
         """Stop the KV connectors' threads (queued tier writes get a moment to finish)."""
@@ -129,6 +143,7 @@ class Engine:
         kv_worker = getattr(self.worker, "kv_worker", None)  # rank 0's half; other ranks close theirs at exit
         if kv_worker is not None:
             kv_worker.close()
+        self.runner.close()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -138,6 +153,15 @@ class Engine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         prompt, params = request.prompt_token_ids, request.params
         check_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
+        if params.prompt_logprobs is not None:
+            if (
+                self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1
+                or self.config.role != "mixed"
+            ):
+                raise InvalidParamError(
+                    "prompt_logprobs",
+                    "prompt logprobs are not supported with tensor/pipeline parallelism or a PD role yet",
+                )
         self._requests[request.request_id] = state = Request(
             request_id=request.request_id,
             prompt_token_ids=list(prompt),
@@ -149,6 +173,8 @@ class Engine:
             kv_transfer=request.kv_transfer,
         )
         self.scheduler.add(state, self.kv_loads.request_added(state))
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs += 1  # counted once queued: `_finish` uncounts it
 
     def _new_grammar(self, params: SamplingParams) -> GrammarMatcher | None:
         if params.structured_output is None:
@@ -174,6 +200,21 @@ class Engine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)  # drafts for the scheduler to add to decode rows
         sent = self._sent_outputs() if self._deferred else []
+        # Step N: launched by the previous step() when overlapping, else scheduled and run now.
+        step = self._in_flight or self._schedule_and_launch()
+        if step is None:
+            return sent
+        self._in_flight = self._launch_continuation(step.batch) if self.runner.overlaps else None
+        step_output = step.result()
+        self.kv_loads.on_events(step_output.kv_events)
+        if step.prompt_chunks:
+            prompt_logprobs.collect(step.prompt_chunks, step_output.prompt_logprobs)
+        outputs = self._process_outputs(step.batch, step_output, step.samples)
+        if self.speculator is not None:  # what the step cost decides whether drafts pay at this batch size
+            self.speculator.step_finished(step.batch, sum(len(o.new_token_ids) for o in outputs))
+        return sent + outputs
+
+    def _schedule_and_launch(self) -> LaunchedStep | None:
         scheduled = self.scheduler.schedule()
         self._totals["preempted"] += len(scheduled.preempted)
         self.step_inputs.pages_allocated(*self.kv.take_allocated())  # the pool's tags, from the allocator
@@ -181,16 +222,27 @@ class Engine:
         kv_ops = self.kv_loads.take_ops() if self.kv_loads.connectors else None
         if not scheduled.scheduled:
             self._run_kv_ops(kv_ops)  # the ranks' KV halves still move pages and report
-            return sent
-        step = self.step_inputs.build(scheduled.scheduled, self.structured)
+            return None
+        step_input = self.step_inputs.build(scheduled.scheduled, self.structured)
         if kv_ops is not None:
-            step.kv_ops = kv_ops
-        step_output = self.worker.execute(step)
-        self.kv_loads.on_events(step_output.kv_events)
-        outputs = self._process_outputs(scheduled.scheduled, step_output)
-        if self.speculator is not None:  # what the step cost decides whether drafts pay at this batch size
-            self.speculator.step_finished(scheduled.scheduled, sum(len(o.new_token_ids) for o in outputs))
-        return sent + outputs
+            step_input.kv_ops = kv_ops  # overlap is off with KV connectors: this step runs serially
+        # Prompt logprobs ride on the step's own forward: the rows are added before it launches.
+        prompt_chunks = (
+            prompt_logprobs.plan(step_input, scheduled.scheduled) if self._prompt_logprobs else None
+        )
+        launched = self.runner.launch(scheduled.scheduled, step_input)
+        launched.prompt_chunks = prompt_chunks
+        return launched
+
+    def _launch_continuation(self, batch: list[ScheduledRequest]) -> LaunchedStep | None:
+        """Overlap: step N+1 launched before N's tokens are read, when it is N's decode rows one further."""
+        if not continues(batch, self.scheduler):
+            return None
+        built = continuation(batch, self.kv, self.step_inputs)
+        if built is None:
+            return None
+        self.num_overlapped_steps += 1
+        return self.runner.launch(*built)
 
     def _sent_outputs(self) -> list[CoreOutput]:
         """The held-back last outputs of prefill requests whose KV send just ended."""
@@ -202,10 +254,13 @@ class Engine:
                 outputs.append(output)
         return outputs
 
-    def _process_outputs(self, batch: list[ScheduledRequest], step_output: StepOutput) -> list[CoreOutput]:
+    def _process_outputs(
+        self, batch: list[ScheduledRequest], step_output: StepOutput, samples: list[bool] | None = None
+    ) -> list[CoreOutput]:
         """Stop the rows that failed the KV integrity check, cut each other row's tokens where the request
         ends, advance the scheduler, and report."""
-        samples = [item.samples for item in batch]  # read before a failure resets a request's progress
+        if samples is None:  # read before a failure resets a request's progress
+            samples = [item.samples for item in batch]
         failed = self._stop_failed_rows(batch, step_output.kv_mismatches) if step_output.kv_mismatches else []
         kept_tokens: list[list[int]] = []
         endings: list[tuple[Request, list[int], list[TokenLogprob] | None, FinishReason | None]] = []
@@ -266,12 +321,20 @@ class Engine:
         return len(tokens), None
 
     def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> CoreOutput:
+        queue_time_s = None
+        if not request.queue_time_sent and request.queue_time_s is not None:
+            request.queue_time_sent = True
+            queue_time_s = request.queue_time_s
         return CoreOutput(
             request_id=request.request_id,
             new_token_ids=tokens,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.cached_tokens or 0,
             new_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs.take(request)
+            if request.params.prompt_logprobs is not None
+            else None,
+            queue_time_s=queue_time_s,
         )
 
     def _finish(
@@ -301,6 +364,8 @@ class Engine:
         if self.speculator is not None:
             self.speculator.request_finished(request.request_id)
         del self._requests[request.request_id]
+        if request.params.prompt_logprobs is not None:
+            self._prompt_logprobs -= 1
         self._totals["prompt"] += request.num_prompt_tokens
         self._totals["cached"] += request.cached_tokens or 0
         self._totals["generated"] += len(request.output_token_ids)
@@ -309,6 +374,20 @@ class Engine:
             self._deferred[request.request_id] = output
             return CoreOutput(request.request_id, [], request.num_prompt_tokens, request.cached_tokens or 0)
         return output
+
+    def _retention_stats(self) -> dict[str, int]:
+        retention = self.scheduler.retention
+        if retention is None:
+            return {}
+        stats = retention.stats
+        return {
+            "retained_pages": stats.retained_pages,
+            "retained_sessions": stats.retained_sessions,
+            "retention_expired_total": stats.expired_total,
+            "retention_evicted_total": stats.evicted_total,
+            "retention_replaced_total": stats.replaced_total,
+            "retention_yielded_total": stats.yielded_total,
+        }
 
     def stats(self) -> EngineStats:
         spec = self.speculator.stats if self.speculator is not None else None
@@ -334,6 +413,7 @@ class Engine:
             kv_transfer_pages_total=transfer.get("transfer_pages_received", 0)
             + transfer.get("transfer_pages_sent", 0),
             kv_tokens_total=self.num_kv_tokens,
+            **self._retention_stats(),
             kv_tiers=tier.tier_stats()
             if isinstance(tier := self.kv_loads.connectors.get("tier"), TierConnector)
             else [],
@@ -348,6 +428,8 @@ def check_request(
         raise InvalidParamError("prompt", "the prompt is empty")
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
         raise InvalidParamError("prompt", f"prompt token ids must be in [0, {vocab_size})")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidParamError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size})")
     if len(prompt_token_ids) >= max_model_len:
         raise InvalidParamError(
             "prompt",

@@ -14,6 +14,7 @@ import torch
 from hearth.contracts.kv_ops import KVOps, PeerListen
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
+from hearth.engine.kv_budget import resolve_kv_cache_bytes
 from hearth.engine.kv_connector import KVConnector, KVOpQueue
 from hearth.engine.scheduler import Scheduler
 from hearth.engine.speculative import Speculator, build_proposer
@@ -65,23 +66,38 @@ def build_engine(config: EngineConfig) -> Engine:
         config = dataclasses.replace(config, master_port=free_port())
     parallel = ParallelConfig.from_engine_config(config)
     model_config = ModelConfig.from_dir(config.model)
-    tokenizer = Tokenizer.from_dir(config.model)
+    tokenizer = Tokenizer.from_dir(config.tokenizer_dir)
     if config.device == "cpu" or not torch.cuda.is_available():
         log_cpu_capability()  # the CPU, its flags and the fast path they pick, once at start
     dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype)
     if config.pipeline_parallel_size > 1 and config.pipeline_stage_layers is None:
         config = plan_pipeline(config, model_config, dtype)  # decided once here; every rank gets it
     layout = kv_layout_for(config, model_config, dtype)
-    num_pages = KVPool.num_pages_for_budget(layout, int(config.kv_cache_memory_gib * GIB))
+    from hearth.engine.worker import resolve_device
+
+    try:
+        kv_bytes = resolve_kv_cache_bytes(config, resolve_device(config.device).type)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    num_pages = KVPool.num_pages_for_budget(layout, kv_bytes)
     if num_pages < 2:
         raise ModelLoadError(
-            f"--kv-cache-memory {config.kv_cache_memory_gib} GiB holds {num_pages} pages of "
-            f"{layout.bytes_per_page} bytes; give the KV cache more memory"
+            f"a {kv_bytes / GIB:.3g} GiB KV cache holds {num_pages} pages of "
+            f"{layout.bytes_per_page} bytes; give the KV cache more memory (--kv-cache-memory GiB)"
         )
     num_kv_tokens = num_pages * config.page_size
     max_model_len = resolve_max_model_len(model_config, config.max_model_len, num_kv_tokens)
     kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
     scheduler = Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs)
+    if config.session_retention_s > 0 and config.enable_prefix_caching:
+        from hearth.engine.retention import SessionRetention
+
+        scheduler.retention = SessionRetention(
+            kv,
+            config.session_retention_s,
+            max_pages=int(num_pages * config.session_retention_share),
+            max_pages_per_tenant=int(num_pages * config.session_retention_tenant_share),
+        )
     kv.faults = KVFaultInjector.from_env(config.seed)  # HEARTH_KV_FAULTS (tests); None when unset
     if kv.faults is not None:
         kv.faults.victims = lambda: scheduler.running

@@ -42,6 +42,7 @@ from hearth.kv.page_io import PageIO, PageLayout, Scales
 from hearth.kv.pool import KVLayout
 from hearth.kv.tiers import PageSpec, TierStack, build_tiers
 from hearth.kv_transfer import make_transport
+from hearth.kv_transfer.auth import SECRET_ENV, SECRET_FILE_ENV, deployment_secret, read_secret
 from hearth.kv_transfer.base import KVTransport, ReceiveSpec, SendSpec, TransferEvent
 from hearth.kv_transfer.pool_pages import PoolPageSource, PoolSink, TensorPageSource
 from hearth.model.config import ModelConfig
@@ -49,27 +50,8 @@ from hearth.parallel.state import parallel_state
 
 logger = logging.getLogger("hearth.engine")
 
-SECRET_ENV = "HEARTH_KV_TRANSFER_SECRET"
-
 _events_encoder = msgspec.msgpack.Encoder()
 _events_decoder = msgspec.msgpack.Decoder(list[KVEvent])
-
-
-class MissingSecretError(ValueError):
-    pass
-
-
-def deployment_secret() -> bytes:
-    """The shared secret both ends of a transfer must prove they hold (from the environment, so it
-    never shows in a process list)."""
-    secret = os.environ.get(SECRET_ENV, "")
-    if not secret:
-        raise MissingSecretError(
-            "prefill and decode servers need the deployment's KV transfer secret: pass "
-            f"--kv-transfer-secret or set ${SECRET_ENV} (the same value on every server; "
-            "`hearth launch` makes one)"
-        )
-    return secret.encode()
 
 
 @dataclass(frozen=True)
@@ -117,8 +99,16 @@ class KVWorker:
             if disk_dir and world_size > 1:
                 disk_dir = os.path.join(disk_dir, f"rank{rank}")  # each rank its own index and budget
             spec = PageSpec(f"{layout_tag}/{io.layout.describe()}", io.layout)
+            # The deployment secret keys the MACs of stored blobs (kv/tiers/blob_auth.py); a rank's blobs
+            # are filed and sealed under its shard key, so a blob never passes for another rank's shard.
+            secret = read_secret(SECRET_ENV, SECRET_FILE_ENV)
             tiers = build_tiers(
-                spec, config.kv_offload_memory_gib, disk_dir, config.kv_disk_size_gib, config.kv_store
+                spec,
+                config.kv_offload_memory_gib,
+                disk_dir,
+                config.kv_disk_size_gib,
+                config.kv_store,
+                secret.encode() if secret else None,
             )
             self.tiers = TierStack(tiers, io)
             if rank == 0:

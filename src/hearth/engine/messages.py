@@ -56,6 +56,10 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     ends_with_stop_token: bool = False  # the last token is EOS or a stop token: counted, not shown as text
     error_code: str | None = None  # with "error": a code for clients, e.g. "kv_integrity_error"
     kv_transfer_status: str | None = None  # PD prefill side, last output: "sent" or "failed"
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first output (hearth.engine.prompt_logprobs)
+    queue_time_s: float | None = (
+        None  # with the first output: seconds it waited before it was first scheduled
+    )
 
     @property
     def finished(self) -> bool:
@@ -94,6 +98,13 @@ class EngineStats(msgspec.Struct):
     kv_transfer_pages_total: int = 0  # pages sent plus received
     kv_tokens_total: int = 0  # tokens the KV cache holds (pages x page size): doubles with FP8 KV
     kv_tiers: list[TierStats] = msgspec.field(default_factory=list)  # per tier below the device
+    # Tool-pause retention (hearth.engine.retention)
+    retained_pages: int = 0
+    retained_sessions: int = 0
+    retention_expired_total: int = 0
+    retention_evicted_total: int = 0
+    retention_replaced_total: int = 0
+    retention_yielded_total: int = 0
 
 
 class ShutdownCore(msgspec.Struct, tag=True):

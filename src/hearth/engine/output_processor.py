@@ -122,6 +122,8 @@ class OutputProcessor:
             error=core.error,
             error_code=core.error_code,
             kv_transfer_status=core.kv_transfer_status,
+            prompt_logprobs=core.prompt_logprobs,
+            queue_time_s=core.queue_time_s,
         )
 
     @staticmethod

@@ -15,6 +15,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # prompt logprobs: 1 + the tokens more likely than this one
 
 
 @dataclass
@@ -36,6 +37,9 @@ class RequestOutput:
     stop_reason: str | int | None = None
     error: str | None = None
     error_code: str | None = None  # with "error": what clients see as the error's `code`
+    # With the first output of a request that asked (`prompt_logprobs`): prompt tokens 1..n-1.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    queue_time_s: float | None = None  # with the first output: seconds waiting in the engine before it ran
     kv_transfer_status: str | None = None  # PD prefill side, last output: "sent" or "failed"
 
     @property

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from hearth.engine.messages import KVTransferParams
-from hearth.engine.outputs import FinishReason
+from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.structured_output import GrammarMatcher
 
@@ -57,6 +58,13 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it (stop strings end it on the API side)
     error: str | None = None
+    # `params.prompt_logprobs`: entries for prompt positions 0.. so far, sent once (hearth.engine.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    # Metrics (vLLM's request_queue_time_seconds): when it arrived, and how long it waited to be first scheduled.
+    arrival_s: float = field(default_factory=time.monotonic)
+    queue_time_s: float | None = None
+    queue_time_sent: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

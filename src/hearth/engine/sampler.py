@@ -68,6 +68,25 @@ def _finite_or_forbidden(logits: torch.Tensor) -> torch.Tensor:
     return logits.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
+def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], bias_rows: list[int]) -> None:
+    """OpenAI's `logit_bias` (issue 27): {token id: bias} added to the raw logits, first, as vLLM does.
+    Ids are checked against the vocabulary when the request is added."""
+    flat_rows: list[int] = []
+    flat_cols: list[int] = []
+    values: list[float] = []
+    for i in bias_rows:
+        bias = rows[i].params.logit_bias
+        assert bias is not None
+        flat_rows.extend([i] * len(bias))
+        flat_cols.extend(bias)
+        values.extend(bias.values())
+    logits.index_put_(
+        (torch.tensor(flat_rows, device=logits.device), torch.tensor(flat_cols, device=logits.device)),
+        torch.tensor(values, dtype=logits.dtype, device=logits.device),
+        accumulate=True,
+    )
+
+
 class Sampler:
     """Picks one token per row. `vocab_size` bounds the ids (the logits may be padded wider)."""
 
@@ -93,22 +112,25 @@ class Sampler:
         penalty_rows: list[int] = []
         logprob_rows: list[int] = []
         min_token_rows: list[int] = []
+        bias_rows: list[int] = []
         for i, row in enumerate(rows):
             p = row.params
             if not p.greedy:
                 random_rows.append(i)
             if p.needs_penalties:
                 penalty_rows.append(i)
+            if p.logit_bias:
+                bias_rows.append(i)
             if p.logprobs is not None:
                 logprob_rows.append(i)
             if row.num_outputs < p.min_tokens:
                 min_token_rows.append(i)
 
-        if not (random_rows or penalty_rows or logprob_rows or min_token_rows):
+        if not (random_rows or penalty_rows or logprob_rows or min_token_rows or bias_rows):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         raw_logprobs = torch.log_softmax(logits[logprob_rows].float(), dim=-1) if logprob_rows else None
-        logits = self._process(logits, rows, penalty_rows, min_token_rows)
+        logits = self._process(logits, rows, penalty_rows, min_token_rows, bias_rows)
 
         token_ids = logits.argmax(dim=-1)
         if random_rows:
@@ -129,7 +151,8 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         penalty_rows = [i for i, row in enumerate(rows) if row.params.needs_penalties]
         min_token_rows = [i for i, row in enumerate(rows) if row.num_outputs < row.params.min_tokens]
-        processed = self._process(logits, rows, penalty_rows, min_token_rows)
+        bias_rows = [i for i, row in enumerate(rows) if row.params.logit_bias]
+        processed = self._process(logits, rows, penalty_rows, min_token_rows, bias_rows)
         return processed.clone() if processed.data_ptr() == logits.data_ptr() else processed
 
     def _process(
@@ -138,10 +161,13 @@ class Sampler:
         rows: list[SamplingRow],
         penalty_rows: list[int],
         min_token_rows: list[int],
+        bias_rows: list[int] | None = None,
     ) -> torch.Tensor:
-        if not (penalty_rows or min_token_rows):
+        if not (penalty_rows or min_token_rows or bias_rows):
             return logits.float()  # nothing to change in place, so no copy
         logits = logits.float().clone()
+        if bias_rows:
+            _add_logit_bias(logits, rows, bias_rows)
         if penalty_rows:
             self._apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows)
         if min_token_rows:

@@ -42,6 +42,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_tokens: int = 0
     structured_output: StructuredOutput | None = None
+    # Issue 27: added to the raw logits before anything else ({token id: bias}, like OpenAI's logit_bias), and
+    # prompt logprobs with this many top alternatives (None: none; hearth.engine.prompt_logprobs).
+    logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
+    # The agent session this request is a turn of: its pages are retained between turns
+    # (hearth.engine.retention) when the engine retains sessions.
+    retain_session: str | None = None
 
     MAX_TOP_LOGPROBS = 20
 
@@ -97,6 +104,24 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= self.MAX_TOP_LOGPROBS
         ):
             raise InvalidParamError("logprobs", f"logprobs must be between 0 and {self.MAX_TOP_LOGPROBS}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= self.MAX_TOP_LOGPROBS
+        ):
+            raise InvalidParamError(
+                "prompt_logprobs", f"prompt_logprobs must be between 0 and {self.MAX_TOP_LOGPROBS}"
+            )
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not isinstance(token_id, int) or token_id < 0:
+                    raise InvalidParamError(
+                        "logit_bias", f"logit_bias keys must be token ids, got {token_id!r}"
+                    )
+                finite("logit_bias", bias)
+                if not -100.0 <= bias <= 100.0:
+                    raise InvalidParamError(
+                        "logit_bias", f"logit_bias values must be in [-100, 100], got {bias}"
+                    )
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidParamError("seed", "seed must be an integer")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

@@ -19,10 +19,12 @@ rejected drafts, and newly full pages for the prefix cache.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from hearth.engine.request import Request, RequestStatus
+from hearth.engine.retention import SessionRetention
 from hearth.kv.manager import KVCacheManager
 
 
@@ -81,6 +83,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.kv = kv
+        self.retention: SessionRetention | None = None  # set by the factory when retention is on
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -106,6 +109,11 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
+        if self.retention is not None:
+            self.retention.expire()
+        return self._schedule()
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         running = self.running
@@ -133,14 +141,19 @@ class Scheduler:
         while waiting and budget > 0 and len(running) + len(self.waiting_for_kv) < self.max_num_seqs:
             request = waiting[0]
             cached = pending = num_tier = 0
-            if request.num_computed_tokens == 0 and not request.page_ids:
+            # A request that wants prompt logprobs computes its whole prompt (hearth.engine.prompt_logprobs).
+            if (
+                request.num_computed_tokens == 0
+                and not request.page_ids
+                and request.params.prompt_logprobs is None
+            ):
                 prompt_len = request.num_prompt_tokens
                 cached = kv.match_prefix(request, prompt_len)
                 num_tier = kv.match_lower_tier(request, prompt_len)
                 num_remote = min(request.num_remote_kv_tokens, request.num_tokens - 1) - cached - num_tier
                 pending = num_tier + max(num_remote, 0)
             num_new = pending or min(request.num_tokens - request.num_computed_tokens, budget)
-            if not kv.allocate_slots(request, num_new):
+            if not self._allocate(request, num_new):
                 # Not enough pages yet: give back the prefix pages so they stay evictable, try next step.
                 kv.free(request)
                 break
@@ -152,6 +165,8 @@ class Scheduler:
             if request.cached_tokens is None:
                 request.cached_tokens = cached
             request.status = RequestStatus.RUNNING
+            if request.queue_time_s is None:  # vllm:request_queue_time_seconds (its first admission only)
+                request.queue_time_s = time.monotonic() - request.arrival_s
             running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
@@ -162,11 +177,19 @@ class Scheduler:
 
         False when the request itself had to be preempted.
         """
-        while not self.kv.allocate_slots(request, num_new):
+        while not self._allocate(request, num_new):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
+                return False
+        return True
+
+    def _allocate(self, request: Request, num_new: int) -> bool:
+        """Pages for the request's next tokens; sessions retained between turns give theirs up (oldest first)
+        before a request waits or is preempted: retention only ever uses pages nobody else needs."""
+        while not self.kv.allocate_slots(request, num_new):
+            if self.retention is None or not self.retention.yield_oldest():
                 return False
         return True
 
@@ -236,6 +259,8 @@ class Scheduler:
         request.num_computed_tokens += num_tokens
         self.num_kv_recomputed_tokens += pending - num_tokens
         request.num_pending_kv_tokens = request.num_pending_tier_tokens = 0
+        if request.queue_time_s is None:
+            request.queue_time_s = time.monotonic() - request.arrival_s
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.kv.cache_full_pages(request)
@@ -311,7 +336,11 @@ class Scheduler:
         self.kv.forget_cached_pages(request, suspect_page_indices)
 
     def finish(self, request: Request) -> None:
-        """Remove a finished or aborted request wherever it is and free its pages."""
+        """Remove a finished or aborted request wherever it is and free its pages (a session's turn that
+        ended normally has them retained first, when retention is on)."""
+        session = request.params.retain_session
+        if self.retention is not None and session and request.finish_reason in ("stop", "length"):
+            self.retention.retain(session, request)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:

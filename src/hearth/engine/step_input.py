@@ -64,6 +64,9 @@ class StepInput(msgspec.Struct, omit_defaults=True):
       (`len(bitmask_rows)` rows of equal width; bit t allows token t). Bytes, not a list: a 150k vocabulary
       is 4.7k words a row, copied once instead of boxed as Python ints.
     - `finished_request_ids`: requests gone since the last step; the worker drops their state first.
+    - `previous_rows`: overlap scheduling (`hearth.engine.overlap`): row r continues the previous step's
+      sampled row `previous_rows[r]`, and its input token is the one that row sampled (`token_ids` holds
+      placeholders); empty for any other step.
     """
 
     token_ids: list[int]
@@ -84,6 +87,12 @@ class StepInput(msgspec.Struct, omit_defaults=True):
     finished_request_ids: list[str] = []
     # The step's KV operations for every rank's worker half of the connectors (hearth.contracts.kv_ops).
     kv_ops: KVOps = msgspec.field(default_factory=KVOps)
+    # Prompt logprobs (hearth.engine.prompt_logprobs): flat-batch rows whose logits score the next prompt
+    # token, that token, and the most top alternatives any of them wants.
+    prompt_logits_indices: list[int] = []
+    prompt_logprob_token_ids: list[int] = []
+    prompt_logprob_top: int = 0
+    previous_rows: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +126,17 @@ class StepInputBuilder:
         self._tag_page_ids.extend(page_ids)
         self._tag_values.extend(tags)
 
+    def take_between_steps(self) -> tuple[list[str], list[int], list[int]]:
+        """What the next step carries of what happened since the last: finished requests, and pages handed
+        out with their tags (one per page, the last given)."""
+        finished, self._finished = self._finished, []
+        tag_page_ids, self._tag_page_ids = self._tag_page_ids, []
+        tag_values, self._tag_values = self._tag_values, []
+        if len(set(tag_page_ids)) < len(tag_page_ids):  # one tensor write per page: keep each page's last tag
+            latest = dict(zip(tag_page_ids, tag_values, strict=True))
+            tag_page_ids, tag_values = list(latest), list(latest.values())
+        return finished, tag_page_ids, tag_values
+
     def build(
         self,
         scheduled: Sequence[ScheduledRequest],
@@ -133,11 +153,7 @@ class StepInputBuilder:
         sampling: list[StepSamplingRow] = []
         row_pages: list[list[int]] = []
         row_tags: list[list[int]] = []
-        tag_page_ids, self._tag_page_ids = self._tag_page_ids, []
-        tag_values, self._tag_values = self._tag_values, []
-        if len(set(tag_page_ids)) < len(tag_page_ids):  # one tensor write per page: keep each page's last tag
-            latest = dict(zip(tag_page_ids, tag_values, strict=True))
-            tag_page_ids, tag_values = list(latest), list(latest.values())
+        finished, tag_page_ids, tag_values = self.take_between_steps()
         constrained: list[tuple[int, GrammarMatcher, list[int]]] = []
         num_decode_rows = 0
         leading = True
@@ -221,9 +237,8 @@ class StepInputBuilder:
             page_tags=page_tags,
             tag_page_ids=tag_page_ids,
             tag_values=tag_values,
-            finished_request_ids=self._finished,
+            finished_request_ids=finished,
         )
-        self._finished = []
         if constrained:
             if structured is None:
                 raise ValueError("constrained rows in the batch, but no StructuredOutputManager to mask them")

@@ -21,7 +21,9 @@ import msgspec
 import torch
 
 from hearth.contracts.kv_ops import KVEvent
+from hearth.engine import prompt_logprobs
 from hearth.engine.config import EngineConfig
+from hearth.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_ROWS, DecodeGraphs, wants_decode_graphs
 from hearth.engine.fp8_kv_scales import init_fp8_kv_scales
 from hearth.engine.kv_integrity import without_rows
 from hearth.engine.kv_worker import build_kv_worker, rank_page_layout
@@ -38,7 +40,8 @@ from hearth.model.config import ModelConfig
 from hearth.model.loader import load_model
 from hearth.model.quantization.select import resolve_quantization
 from hearth.ops import cpu_kernels
-from hearth.ops.attention import AttentionBackend, AttentionContext, select_backend
+from hearth.ops.attention import AttentionBackend, AttentionContext, AttentionMetadata, select_backend
+from hearth.ops.attention.backend import AttentionKind
 from hearth.parallel.state import parallel_state
 from hearth.parallel.topology import rank_kv_heads
 
@@ -56,6 +59,8 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_mismatches: list[PageTagMismatch] = []
     # What the ranks' KV connector halves finished (hearth.contracts.kv_ops), every rank's, on rank 0.
     kv_events: list[KVEvent] = []
+    # One entry per `StepInput.prompt_logits_indices` row (hearth.engine.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -131,7 +136,13 @@ class Worker:
             quant_config=quant_config,
         )
         full_layout, layout = layout, dataclasses.replace(layout, num_layers=len(stage))
-        self.kv_pool = KVPool(layout, num_pages, self.device, rank_page_layout(layout, model_config, stage))
+        backend_cls = select_backend(self.device)
+        # [i31] Decode CUDA graphs: their padding rows use one scratch page past the cache manager's (the
+        # KV connectors never address it: their page ids come from the manager).
+        graphs = wants_decode_graphs(config.enforce_eager, self.device, backend_cls, parallel)
+        self.kv_pool = KVPool(
+            layout, num_pages + int(graphs), self.device, rank_page_layout(layout, model_config, stage)
+        )
         if self.kv_pool.quantized:
             # Sharded: the pool holds this stage's layers and this rank's KV heads, and so do its scales.
             sharded = parallel.pp_size > 1 or parallel.tp_size > 1
@@ -147,7 +158,6 @@ class Worker:
         self.page_tag_check = make_page_tag_check(config.kv_integrity)
         # A row's context is at most max_model_len tokens; one more page leaves room for a lookahead.
         max_pages_per_seq = -(-max_model_len // layout.page_size) + 1
-        backend_cls = select_backend(self.device)
         self.attention: AttentionBackend = backend_cls(
             device=self.device,
             page_size=layout.page_size,
@@ -156,6 +166,7 @@ class Worker:
             dtype=dtype,
             kv_dtype=layout.kv_dtype,
             sliding_window=model_config.sliding_window,
+            layer_kinds=tuple(AttentionKind(*model_config.layer_attention(i)) for i in stage),
         )
         self.sampler = Sampler(sample_vocab_size, set(eos_token_ids))
         self._generators: dict[str, torch.Generator] = {}
@@ -170,10 +181,14 @@ class Worker:
             parallel.pp_size * parallel.tp_size,
         )
         torch.manual_seed(config.seed)
+        self.decode_graphs: DecodeGraphs | None = None  # [i31]
+        self._last_sampled: list[list[int]] = []  # [i31] the previous step's tokens, for overlap scheduling
+        if graphs:
+            self.decode_graphs = self._capture_decode_graphs(num_pages, config.max_num_seqs)
         if self.device.type == "cpu":
-            # Compiled CPU kernels, loaded (or built, the first time) in the background so they never delay
-            # readiness; the torch paths serve until they are there.
-            cpu_kernels.start_build()
+            # Compiled CPU kernels, loaded (or built, the first time on a machine) before the server is
+            # ready: a compile never competes with serving. A failed build leaves the torch paths.
+            cpu_kernels.build_before_ready()
         logger.info(
             "worker on %s: attention backend %s, KV %s, weights %s",
             self.device,
@@ -182,15 +197,23 @@ class Worker:
             quantization,
         )
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        if self.kv_worker is None:
-            return self._execute(step)
-        self.kv_worker.apply(step.kv_ops)  # before the forward: pages saved, loads started or landed
+        if step.previous_rows:  # [i31] overlap scheduling: the tokens the last step sampled
+            previous = self._last_sampled
+            step.token_ids = [previous[row][-1] if row < len(previous) and previous[row] else 0
+                              for row in step.previous_rows]  # fmt: skip
+        if self.kv_worker is not None:
+            with torch.inference_mode():  # before the forward: pages saved, loads started or landed
+                self.kv_worker.apply(step.kv_ops)
         output = self._execute(step)
-        output.kv_events = self.kv_worker.report(step.kv_ops)
+        if step.token_ids:  # a step of KV ops alone samples nothing an overlapped step could continue
+            self._last_sampled = output.sampled_token_ids
+        if self.kv_worker is not None:
+            with torch.inference_mode():
+                output.kv_events = self.kv_worker.report(step.kv_ops)
         return output
 
+    @torch.inference_mode()
     def _execute(self, step: StepInput) -> StepOutput:
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
@@ -208,12 +231,26 @@ class Worker:
 
     def _run(self, step: StepInput) -> StepOutput:
         logits = self.forward(step)
+        prompt_entries = None
+        if step.prompt_logits_indices and logits is not None:  # issue 27: prompt logprobs, split off first
+            num_sampled = len(step.logits_indices)
+            prompt_entries = prompt_logprobs.compute(
+                logits[num_sampled:],
+                step.prompt_logprob_token_ids,
+                step.prompt_logprob_top,
+                self.sampler.vocab_size,
+            )
+            logits = logits[:num_sampled]
         if logits is None or not step.sampling or not self.is_sampling_rank:
-            return StepOutput([])  # another rank samples (see hearth.engine.ranks.executor)
+            return StepOutput(
+                [], prompt_logprobs=prompt_entries
+            )  # another rank samples (hearth.engine.ranks.executor)
         if step.bitmask_rows:
             words = torch.frombuffer(bytearray(step.bitmask), dtype=torch.int32)
             apply_bitmask(logits, step.bitmask_rows, words.view(len(step.bitmask_rows), -1))
-        return self._sample(logits, step.sampling)
+        output = self._sample(logits, step.sampling)
+        output.prompt_logprobs = prompt_entries
+        return output
 
     def _run_without(self, step: StepInput, mismatches: list[PageTagMismatch]) -> StepOutput:
         """The step without the failing rows; their sampling rows get no tokens."""
@@ -239,8 +276,18 @@ class Worker:
         return self._forward_one(step)
 
     def _forward_one(self, step: StepInput) -> torch.Tensor | None:
+        if self.decode_graphs is not None and self.after_forward is None:  # [i31] replay a captured step
+            logits = self.decode_graphs.run(step)
+            if logits is not None:
+                return logits
         num_tokens = len(step.token_ids)
-        ids = torch.tensor(step.token_ids + step.positions + step.logits_indices, dtype=torch.long)
+        # Prompt-logprob rows (issue 27) ride after the sampled ones; `_run` splits them off.
+        logits_indices = (
+            step.logits_indices + step.prompt_logits_indices
+            if step.prompt_logits_indices
+            else step.logits_indices
+        )
+        ids = torch.tensor(step.token_ids + step.positions + logits_indices, dtype=torch.long)
         if self.device.type == "cuda":  # pinned, so the copy is asynchronous
             ids = ids.pin_memory().to(self.device, non_blocking=True)
         elif self.device.type != "cpu":
@@ -250,6 +297,34 @@ class Worker:
         logits = self.model(ids[:num_tokens], ids[num_tokens : 2 * num_tokens], ctx, ids[2 * num_tokens :])
         if self.after_forward is not None:
             self.after_forward(step)
+        return logits
+
+    # [i31] decode CUDA graphs (hearth.engine.cuda_graphs)
+    def _capture_decode_graphs(self, scratch_page: int, max_num_seqs: int) -> DecodeGraphs | None:
+        graphs = DecodeGraphs(
+            self._graph_forward,
+            self.attention,
+            scratch_page=scratch_page,
+            max_rows=min(max_num_seqs, DEFAULT_MAX_CAPTURE_ROWS),
+            capture=self.device.type == "cuda",  # elsewhere (tests) the same steps, run eagerly
+        )
+        try:
+            graphs.capture()
+        except Exception:  # a model with a host sync in its forward: eager steps still work
+            logger.warning("decode graphs could not be captured; every step runs eagerly", exc_info=True)
+            return None
+        return graphs
+
+    def _graph_forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx = AttentionContext(self.attention, metadata, self.kv_pool)
+        logits = self.model(ids, positions, ctx, logits_indices)
+        assert logits is not None  # graphs are captured on a single stage only
         return logits
 
     def _sample(self, logits: torch.Tensor, sampling: list[StepSamplingRow]) -> StepOutput:

@@ -1,12 +1,16 @@
 """Moving KV pages between servers (prefill/decode disaggregation): transports in a registry.
 
 `make_transport(name, ...)` builds one by `--kv-transfer` name: `tcp` (the default, everywhere) and
-`mooncake` (Mooncake Transfer Engine, when installed). See `base.py` for the contract.
+`mooncake` (Mooncake Transfer Engine, when installed). See `base.py` for the contract. The package
+itself imports nothing heavy: the router uses `auth` (instruction signing) without torch.
 """
 
 from __future__ import annotations
 
-from hearth.kv_transfer.base import TRANSPORTS, KVTransport, PageSink, WireLayout
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hearth.kv_transfer.base import KVTransport, PageSink, WireLayout
 
 TRANSPORT_CHOICES = ("tcp", "mooncake")
 
@@ -14,6 +18,8 @@ TRANSPORT_CHOICES = ("tcp", "mooncake")
 def make_transport(
     name: str, layout: WireLayout, secret: bytes, timeout_s: float, sink: PageSink
 ) -> KVTransport:
+    from hearth.kv_transfer.base import TRANSPORTS
+
     if name == "tcp":
         import hearth.kv_transfer.tcp  # noqa: F401 - registers itself
     elif name == "mooncake":

@@ -106,7 +106,9 @@ class TransferCounters:
     bytes_received: int = 0
     bytes_sent: int = 0
     late_writes_dropped: int = 0  # pages that arrived for a closed transfer and were not written
-    handshakes_refused: int = 0
+    handshakes_refused: int = 0  # connections that did not authenticate (nothing of theirs kept)
+    connections_refused: int = 0  # closed at accept: the listener was at its connection cap
+    frames_refused: int = 0  # authenticated transfers failed by a frame whose tag did not verify
     events: dict[str, int] = field(default_factory=dict)
 
 

@@ -2,48 +2,62 @@
 
 The prefill server connects to the decode server's listener (bound where `--kv-transfer-host` says,
 loopback by default). Frames are a 4-byte big-endian length and a msgspec (msgpack) header; page data
-follows a `Batch` header as raw tensor bytes (page-major, so each page's bytes are contiguous and carry
-an xxh3 checksum). Nothing is pickled, and a batch of many pages is streamed with no per-page round trip.
+follows a `Batch` header as raw tensor bytes (page-major). Nothing is pickled, and a batch of many pages
+is streamed with no per-page round trip. Every frame after the handshake carries a 16-byte tag (after
+its header) that covers the header and the page bytes that follow it (`hearth.kv_transfer.auth`).
 
     sender (prefill)                          receiver (decode)
-    Hello(transfer_id, nonce_s)        ─▶
-                                        ◀─    Challenge(nonce_r, HMAC(secret, r|nonce_s|nonce_r), layout)
-    Auth(HMAC(secret, s|nonce_r|nonce_s),
+    Hello(transfer_id, nonce_s)        ─▶     (a 32-hex id and a 32-byte nonce, or the socket closes)
+                                        ◀─    Challenge(nonce_r, layout, HMAC(secret, ids|nonces|layout))
+    Auth(HMAC(secret, ids|nonces|what it announces),
          layout, num_tokens, prompt_hash,
          FP8 scales if the pages are FP8) ─▶   checks the MAC and the layout, waits (up to the timeout)
                                                for the decode request to open the transfer
+            -- from here each frame is tagged under the direction's HKDF(secret, id, nonces) key --
                                         ◀─    Want(first_page, num_pages) | Want(0, 0, error)
-    Batch(transfer_id, ...) + bytes ... ─▶    each batch: checksums, then written under the lock, only
+    Batch(transfer_id, ...) + bytes ... ─▶    each batch: its tag, then written under the lock, only
     Done(transfer_id)                  ─▶     if the transfer is still open (else dropped and counted)
                                         ◀─    Ack(ok)
 
 Bytes are copied in user space only where they must be converted: the sender `sendmsg`s the pool's own
 page runs, and a receiver whose pool has the wire's dtype `recvmsg_into`s them straight into its pages
-(a close cuts that receive and waits for it). Other dtypes (and FP8 scales) are converted at the
-receiver through `hearth.kv.convert`, with its own scales.
+(a close cuts that receive and waits for it); a batch whose tag fails there fails the transfer, and its
+pages are recomputed before any request reads them. Other dtypes (and FP8 scales) are converted at the
+receiver through `hearth.kv.convert`, with its own scales, after the tag verified.
 
 Both sides prove they hold the deployment's secret (a challenge each way, so neither a stray sender nor
-a stray listener gets KV). A refused handshake fails the transfer at once on the decode side (its
-request recomputes) rather than after the timeout. Wanting pages from `first_page` on is what makes the
-decode server's own prefix-cache hits shrink the transfer.
+a stray listener gets KV). Nothing a connection says is stored or logged before it authenticated: the
+listener takes at most `MAX_CONNECTIONS` at once, a handshake must finish within `HANDSHAKE_TIMEOUT_S`
+in total (a slow drip is cut), refusals are counted and logged once per cause and interval, and only an
+authenticated sender can fail a transfer (a refused handshake leaves the real one waiting for its own
+sender). Wanting pages from `first_page` on is what makes the decode server's own prefix-cache hits
+shrink the transfer.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import secrets
 import socket
 import struct
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import msgspec
 import torch
-import xxhash
 
-from hearth.kv.checksum import PageChecksumError, page_checksum, verify_page_checksum
+from hearth.kv_transfer.auth import (
+    NONCE_BYTES,
+    TAG_BYTES,
+    FrameAuthError,
+    FrameMAC,
+    handshake_mac,
+    is_transfer_id,
+    session_keys,
+)
 from hearth.kv_transfer.base import (
     WIRE_DTYPES,
     KVTransport,
@@ -59,9 +73,13 @@ from hearth.kv_transfer.base import (
 
 logger = logging.getLogger("hearth.kv_transfer")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: tagged frames (1 had unkeyed page checksums and a MAC over the nonces only)
 _LENGTH = struct.Struct("!I")
-MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = 64 << 10  # an authenticated frame's header (a Batch is ~100 bytes)
+HELLO_BYTES = 256  # before authentication a frame is small: Hello is ~90 bytes
+MAX_CONNECTIONS = 64  # connections served at once; more are closed at accept (counted)
+HANDSHAKE_TIMEOUT_S = 10.0  # Hello to authenticated Auth, in total (at most the transfer timeout)
+REFUSAL_LOG_INTERVAL_S = 60.0  # one warning per cause per interval, with the count since the last
 BATCH_BYTES = 8 << 20  # pages per batch: about this many bytes (at least one page)
 # Kernel socket buffers for page streams. Linux's autotuned default starts small on a fresh connection,
 # and loopback then runs at ~0.8 GB/s with nothing else to do (scripts/bench_kv_transfer.py); 4 MiB each
@@ -108,7 +126,6 @@ class Batch(msgspec.Struct, tag=True):
     first_page: int
     num_pages: int
     dtype: str
-    checksums: list[int]
     offset: int = 0  # byte offset of this batch in the transfer's payload (off-socket transports)
 
 
@@ -130,13 +147,18 @@ class TransferError(RuntimeError):
     pass
 
 
-def _mac(secret: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret, side + b"|" + first + b"|" + second, hashlib.sha256).digest()
+class _Refused(Exception):
+    """A connection that did not authenticate: closed, counted and logged by cause, nothing else."""
 
 
-def _recv_exact(sock: socket.socket, buffer: bytearray | memoryview) -> None:
+def _recv_exact(sock: socket.socket, buffer: bytearray | memoryview, deadline: float | None = None) -> None:
     view = memoryview(buffer)
     while view:
+        if deadline is not None:  # a total deadline: a sender dripping a byte at a time is cut too
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _Refused("the handshake did not finish in time")
+            sock.settimeout(remaining)
         count = sock.recv_into(view)
         if count == 0:
             raise TransferError("the peer closed the connection mid-transfer")
@@ -174,14 +196,6 @@ class _BufferPool:
                 self._free.append(buffer)
 
 
-def page_checksum_runs(runs: list[memoryview]) -> int:
-    """`page_checksum` of the concatenated runs, without concatenating them (xxh3 streams)."""
-    state = xxhash.xxh3_64()
-    for run in runs:
-        state.update(run)
-    return state.intdigest()
-
-
 def _recv_exact_parts(sock: socket.socket, views: list[memoryview]) -> None:
     """Fill every buffer of `views` in order from the socket (`recvmsg_into`: one call, many buffers)."""
     views = list(views)
@@ -210,19 +224,91 @@ def _sendall_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None
 
 
 def send_message(sock: socket.socket, message: Message) -> None:
+    """An untagged frame: the handshake's (each carries its own MAC)."""
     data = _encoder.encode(message)
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def recv_message(sock: socket.socket) -> Message:
+def _recv_header(sock: socket.socket, limit: int, deadline: float | None) -> bytearray:
     length = bytearray(_LENGTH.size)
-    _recv_exact(sock, length)
+    _recv_exact(sock, length, deadline)
     (size,) = _LENGTH.unpack(length)
-    if size > MAX_HEADER_BYTES:
-        raise TransferError(f"a {size}-byte header is too large")
+    if size > limit:
+        raise TransferError(f"a {size}-byte header is too large (at most {limit} here)")
     data = bytearray(size)
-    _recv_exact(sock, data)
-    return _decoder.decode(data)
+    _recv_exact(sock, data, deadline)
+    return data
+
+
+def recv_message(
+    sock: socket.socket, limit: int = MAX_HEADER_BYTES, deadline: float | None = None
+) -> Message:
+    return _decoder.decode(_recv_header(sock, limit, deadline))
+
+
+def send_tagged(
+    sock: socket.socket, frames: FrameMAC, message: Message, payload: Sequence[memoryview] = ()
+) -> None:
+    """A frame after the handshake: header, its tag (over the header and `payload`), then `payload`."""
+    data = _encoder.encode(message)
+    first = _LENGTH.pack(len(data)) + data + frames.tag(data, payload)
+    if not payload:
+        sock.sendall(first)
+        return
+    for start in range(0, len(payload), _MAX_IOVECS):  # header and pages in few calls, no concatenation
+        parts = list(payload[start : start + _MAX_IOVECS])
+        _sendall_parts(sock, [first, *parts] if start == 0 else parts)
+
+
+def recv_tagged(sock: socket.socket) -> tuple[Message, bytes, bytes]:
+    """A tagged frame's header as (message, header bytes, tag): the caller verifies the tag, after the
+    payload that follows a `Batch` arrived."""
+    data = bytes(_recv_header(sock, MAX_HEADER_BYTES, None))
+    tag = bytearray(TAG_BYTES)
+    _recv_exact(sock, tag)
+    return _decoder.decode(data), data, bytes(tag)
+
+
+def recv_verified(sock: socket.socket, frames: FrameMAC, kind: type[Message]) -> Message:
+    message, data, tag = recv_tagged(sock)
+    frames.verify(tag, data)
+    return _expect(message, kind)
+
+
+def auth_mac(
+    secret: bytes, transfer_id: str, sender_nonce: bytes, receiver_nonce: bytes, auth: Auth
+) -> bytes:
+    body = _encoder.encode(msgspec.structs.replace(auth, mac=b""))
+    return handshake_mac(secret, b"sender", transfer_id, sender_nonce, receiver_nonce, body)
+
+
+def challenge_mac(
+    secret: bytes, transfer_id: str, sender_nonce: bytes, receiver_nonce: bytes, layout: WireLayout
+) -> bytes:
+    return handshake_mac(
+        secret, b"receiver", transfer_id, sender_nonce, receiver_nonce, _encoder.encode(layout)
+    )
+
+
+class _RefusalLog:
+    """Refused connections: counted by cause, one warning per cause per interval (a flood of bad
+    handshakes costs a few lines of log, not one per connection)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, tuple[int, float]] = {}  # cause -> (count since last logged, when logged)
+
+    def note(self, cause: str, peer: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            count, logged = self._pending.get(cause, (0, -REFUSAL_LOG_INTERVAL_S))
+            count += 1
+            if now - logged < REFUSAL_LOG_INTERVAL_S:
+                self._pending[cause] = (count, logged)
+                return
+            self._pending[cause] = (0, now)
+        # The cause is ours; the peer is an address: nothing the peer sent reaches the log.
+        logger.warning("KV listener refused %d connection(s) (last from %s): %s", count, peer, cause)
 
 
 def _expect(message: Message, kind: type[Message]) -> Message:
@@ -246,6 +332,12 @@ def decode_scales(values: list[float] | None, layout: WireLayout) -> Scales | No
     if not bool(torch.isfinite(both).all()) or not bool((both > 0).all()):
         raise TransferError("the sender's FP8 scales must be finite and > 0")
     return both[0], both[1]
+
+
+def _peer(address: object) -> str:
+    if isinstance(address, tuple) and len(address) >= 2:
+        return f"{address[0]}:{address[1]}"
+    return "an unknown address"
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -273,6 +365,8 @@ class TCPTransport(KVTransport):
         self._closed: OrderedDict[str, None] = OrderedDict()
         self._failed_early: OrderedDict[str, str] = OrderedDict()  # failed before the decode side opened it
         self._events: list[TransferEvent] = []
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._refusals = _RefusalLog()
         self._server: socket.socket | None = None
         self._stopping = False
 
@@ -320,61 +414,112 @@ class TCPTransport(KVTransport):
         assert server is not None
         while not self._stopping:
             try:
-                sock, _ = server.accept()
+                sock, address = server.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve, args=(sock,), name="hearth-kv-recv", daemon=True).start()
+            if not self._slots.acquire(blocking=False):
+                # At the cap: closed at once (the sender's transfer fails and its decode side recomputes)
+                # rather than one more thread per connection.
+                with self._cond:
+                    self.counters.connections_refused += 1
+                self._refusals.note(f"more than {MAX_CONNECTIONS} connections at once", _peer(address))
+                sock.close()
+                continue
+            try:
+                threading.Thread(
+                    target=self._serve, args=(sock, _peer(address)), name="hearth-kv-recv", daemon=True
+                ).start()
+            except RuntimeError:  # no thread to be had
+                self._slots.release()
+                sock.close()
 
-    def _serve(self, sock: socket.socket) -> None:
-        transfer_id = None
+    def _handshake(self, sock: socket.socket) -> tuple[str, Auth, FrameMAC, FrameMAC]:
+        """The sender's transfer id, its Auth and the frame MACs (received, sent), once it proved it holds
+        the secret; `_Refused` before that. Nothing it sent is kept or logged until then."""
+        deadline = time.monotonic() + min(HANDSHAKE_TIMEOUT_S, self.timeout_s)
+        try:
+            hello = recv_message(sock, HELLO_BYTES, deadline)
+        except (TransferError, msgspec.DecodeError) as exc:
+            raise _Refused("not a KV transfer Hello") from exc
+        if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
+            raise _Refused(f"not a KV transfer Hello of protocol version {PROTOCOL_VERSION}")
+        if not is_transfer_id(hello.transfer_id) or len(hello.nonce) != NONCE_BYTES:
+            raise _Refused("a malformed transfer id or nonce")
+        transfer_id = hello.transfer_id
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        send_message(
+            sock,
+            Challenge(
+                nonce, challenge_mac(self.secret, transfer_id, hello.nonce, nonce, self.layout), self.layout
+            ),
+        )
+        # An FP8 sender's scales make Auth the one larger handshake frame: bounded by this layout.
+        limit = 1024 + 24 * self.layout.num_layers * self.layout.num_kv_heads
+        try:
+            auth = recv_message(sock, limit, deadline)
+        except (TransferError, msgspec.DecodeError) as exc:
+            raise _Refused("no valid Auth") from exc
+        if not isinstance(auth, Auth) or not hmac.compare_digest(
+            auth.mac, auth_mac(self.secret, transfer_id, hello.nonce, nonce, auth)
+        ):
+            # Told (so a misconfigured deployment sees why), but untagged and without touching the
+            # transfer this connection named: only its authenticated sender may fail it.
+            send_message(
+                sock, Want(0, 0, "refused: the sender did not present this deployment's KV transfer secret")
+            )
+            raise _Refused("a sender without this deployment's KV transfer secret")
+        sock.settimeout(self.timeout_s)
+        sender_key, receiver_key = session_keys(self.secret, transfer_id, hello.nonce, nonce)
+        return transfer_id, auth, FrameMAC(sender_key), FrameMAC(receiver_key)
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        transfer_id = None  # set once the sender authenticated
+        claimed = False
         try:
             with sock:
-                sock.settimeout(self.timeout_s)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                hello = _expect(recv_message(sock), Hello)
-                assert isinstance(hello, Hello)
-                transfer_id = hello.transfer_id
-                if hello.version != PROTOCOL_VERSION:
-                    raise TransferError(f"the sender speaks version {hello.version}, not {PROTOCOL_VERSION}")
-                nonce = secrets.token_bytes(32)
-                mac = _mac(self.secret, b"r", hello.nonce, nonce)
-                send_message(sock, Challenge(nonce, mac, self.layout))
-                auth = _expect(recv_message(sock), Auth)
-                assert isinstance(auth, Auth)
-                if not hmac.compare_digest(auth.mac, _mac(self.secret, b"s", nonce, hello.nonce)):
+                try:
+                    transfer_id, auth, frames_in, frames_out = self._handshake(sock)
+                except (_Refused, OSError) as exc:
                     with self._cond:
                         self.counters.handshakes_refused += 1
-                    message = "refused: the sender did not present this deployment's KV transfer secret"
-                    logger.warning("KV transfer %s %s", transfer_id, message)
-                    send_message(sock, Want(0, 0, message))
-                    self._fail(transfer_id, message)
+                    cause = str(exc) if isinstance(exc, _Refused) else "the handshake broke off or timed out"
+                    self._refusals.note(cause, peer)
                     return
                 mismatch = self.layout.mismatch(auth.layout)
                 if mismatch:
                     logger.error("KV transfer %s refused: %s", transfer_id, mismatch)
-                    send_message(sock, Want(0, 0, mismatch))
+                    send_tagged(sock, frames_out, Want(0, 0, mismatch))
                     self._fail(transfer_id, mismatch)
                     return
                 spec = self._claim(transfer_id)
                 if spec is None:  # closed, not needed, or never opened in time: nothing to send
-                    send_message(sock, Want(0, 0))
+                    send_tagged(sock, frames_out, Want(0, 0))
                     return
+                claimed = True
                 if auth.prompt_hash != spec.prompt_hash or auth.num_tokens < spec.end_token:
                     why = (
                         "the prefill side computed another prompt"
                         if auth.prompt_hash != spec.prompt_hash
                         else f"the prefill side holds {auth.num_tokens} tokens, {spec.end_token} are needed"
                     )
-                    send_message(sock, Want(0, 0, why))
+                    send_tagged(sock, frames_out, Want(0, 0, why))
                     self._fail(transfer_id, why)
                     return
                 payload = self._open_payload(spec, auth.layout)
                 try:
                     want = Want(spec.first_page, len(spec.page_ids))
-                    send_message(sock, self._want_extras(want, payload))
-                    self._receive_pages(sock, spec, payload, decode_scales(auth.scales, self.layout))
+                    send_tagged(sock, frames_out, self._want_extras(want, payload))
+                    scales = decode_scales(auth.scales, self.layout)
+                    self._receive_pages(sock, spec, payload, scales, frames_in, frames_out)
                 finally:
                     self._close_payload(payload)
+        except FrameAuthError as exc:
+            with self._cond:
+                self.counters.frames_refused += 1
+            if transfer_id is not None:
+                logger.warning("KV transfer %s: %s; its pages are recomputed", transfer_id, exc)
+                self._fail(transfer_id, f"transfer refused: {exc}")
         except (OSError, TransferError, msgspec.DecodeError, ValueError) as exc:
             if transfer_id is not None:
                 self._fail(transfer_id, f"transfer broken: {exc}")
@@ -383,11 +528,12 @@ class TCPTransport(KVTransport):
             if transfer_id is not None:
                 self._fail(transfer_id, f"receiving failed: {type(exc).__name__}: {exc}")
         finally:
+            self._slots.release()
             buffer = getattr(self._local, "buffer", None)
             if buffer is not None:
                 self._local.buffer = None
                 self._buffers.give(buffer)
-            if transfer_id is not None:
+            if claimed:
                 with self._cond:
                     self._claimed.discard(transfer_id)
 
@@ -430,13 +576,20 @@ class TCPTransport(KVTransport):
         """Off-socket transports move `raw` here; on TCP it follows its Batch header."""
 
     def _receive_pages(
-        self, sock: socket.socket, spec: ReceiveSpec, payload: object, src_scales: Scales | None
+        self,
+        sock: socket.socket,
+        spec: ReceiveSpec,
+        payload: object,
+        src_scales: Scales | None,
+        frames_in: FrameMAC,
+        frames_out: FrameMAC,
     ) -> None:
         layout = self.layout
         end_page = spec.first_page + len(spec.page_ids)
         next_page = spec.first_page
         while next_page < end_page:
-            batch = _expect(recv_message(sock), Batch)
+            batch, header, tag = recv_tagged(sock)
+            batch = _expect(batch, Batch)
             assert isinstance(batch, Batch)
             dtype = WIRE_DTYPES.get(batch.dtype)
             if dtype is None:
@@ -450,8 +603,6 @@ class TCPTransport(KVTransport):
             ):
                 raise TransferError(f"batch of pages {batch.first_page}+{batch.num_pages} out of order")
             page_bytes = layout.page_bytes(dtype)
-            if len(batch.checksums) != batch.num_pages:
-                raise TransferError("a batch must carry one checksum per page")
             offset = batch.first_page - spec.first_page
             page_ids = spec.page_ids[offset : offset + batch.num_pages]
             page_runs = getattr(self.sink, "page_runs", None)
@@ -462,13 +613,10 @@ class TCPTransport(KVTransport):
             )
             if runs is not None:
                 self._receive_into_pool(sock, spec, batch, runs)
+                frames_in.verify(tag, header, runs)  # a failure fails the load: the pages are recomputed
             else:
                 view = self._recv_payload(sock, payload, batch, page_bytes * batch.num_pages)
-                for index, expected in enumerate(batch.checksums):
-                    try:
-                        verify_page_checksum(view[index * page_bytes : (index + 1) * page_bytes], expected)
-                    except PageChecksumError as exc:
-                        raise TransferError(f"page {batch.first_page + index}: {exc}") from exc
+                frames_in.verify(tag, header, (view,))
                 data = torch.frombuffer(view, dtype=dtype).view(batch.num_pages, *layout.page_shape())
                 with self._cond:
                     # The transfer id is checked on every write: a closed transfer's pages may already be
@@ -481,23 +629,23 @@ class TCPTransport(KVTransport):
                 self.counters.pages_received += batch.num_pages
                 self.counters.bytes_received += page_bytes * batch.num_pages
             next_page += batch.num_pages
-        _expect(recv_message(sock), Done)
+        recv_verified(sock, frames_in, Done)
         with self._cond:
             ok = self._open.get(spec.transfer_id) is spec
             if ok:
                 del self._open[spec.transfer_id]
                 self._remember(self._closed, spec.transfer_id, None)
                 self._push(TransferEvent(spec.transfer_id, "received", True, num_pages=len(spec.page_ids)))
-        send_message(sock, Ack(ok, None if ok else "the transfer was closed"))
+        send_tagged(sock, frames_out, Ack(ok, None if ok else "the transfer was closed"))
 
     def _receive_into_pool(
         self, sock: socket.socket, spec: ReceiveSpec, batch: Batch, runs: list[memoryview]
     ) -> None:
         """The batch's bytes straight into the pool's pages (`recvmsg_into` over their runs): no buffer,
         no copy. The transfer is registered as writing while the bytes land; `close_receive` cuts the
-        socket and waits for this to end, so no byte lands after it returns. The checksums are verified
-        on the pool's bytes afterwards: a mismatch fails the transfer (its pages are recomputed, and
-        they were never visible to a request, which waits for the load to end)."""
+        socket and waits for this to end, so no byte lands after it returns. The caller verifies the
+        batch's tag on the pool's bytes afterwards: a mismatch fails the transfer (its pages are
+        recomputed, and they were never visible to a request, which waits for the load to end)."""
         with self._cond:
             if batch.transfer_id != spec.transfer_id or self._open.get(spec.transfer_id) is not spec:
                 self.counters.late_writes_dropped += batch.num_pages
@@ -512,14 +660,6 @@ class TCPTransport(KVTransport):
                 closed = self._open.get(spec.transfer_id) is not spec
         if closed:
             raise TransferError("the transfer was closed mid-batch")
-        per_page = len(runs) // batch.num_pages
-        for index, expected in enumerate(batch.checksums):
-            found = page_checksum_runs(runs[index * per_page : (index + 1) * per_page])
-            if found != expected:
-                raise TransferError(
-                    f"page {batch.first_page + index}: page checksum mismatch: expected {expected:#018x}, "
-                    f"found {found:#018x}"
-                )
 
     def _fail(self, transfer_id: str, reason: str) -> None:
         with self._cond:
@@ -544,37 +684,35 @@ class TCPTransport(KVTransport):
                 sock.settimeout(self.timeout_s)
                 sock.connect((host, port))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                nonce = secrets.token_bytes(32)
+                nonce = secrets.token_bytes(NONCE_BYTES)
                 send_message(sock, Hello(PROTOCOL_VERSION, spec.transfer_id, nonce))
                 challenge = _expect(recv_message(sock), Challenge)
                 assert isinstance(challenge, Challenge)
                 # Auth goes out before our verdict on the receiver, so a wrong secret is reported on
-                # both sides at once (the decode request recomputes without waiting for its timeout).
+                # both sides (the receiver counts and logs the refusal).
                 layout = (
                     spec.layout or self.layout
                 )  # a part of this pool's heads, for a receiver of another TP size
-                send_message(
-                    sock,
-                    Auth(
-                        _mac(self.secret, b"s", challenge.nonce, nonce),
-                        layout,
-                        spec.num_tokens,
-                        spec.prompt_hash,
-                        encode_scales(spec.source.scales),
-                    ),
+                auth = Auth(b"", layout, spec.num_tokens, spec.prompt_hash, encode_scales(spec.source.scales))
+                auth.mac = auth_mac(self.secret, spec.transfer_id, nonce, challenge.nonce, auth)
+                send_message(sock, auth)
+                expected = challenge_mac(
+                    self.secret, spec.transfer_id, nonce, challenge.nonce, challenge.layout
                 )
-                if not hmac.compare_digest(challenge.mac, _mac(self.secret, b"r", nonce, challenge.nonce)):
+                if not hmac.compare_digest(challenge.mac, expected):
                     raise TransferError("the decode server did not prove it holds this deployment's secret")
                 mismatch = layout.mismatch(challenge.layout)
                 if mismatch:
                     raise TransferError(mismatch)
-                want = _expect(recv_message(sock), Want)
+                sender_key, receiver_key = session_keys(self.secret, spec.transfer_id, nonce, challenge.nonce)
+                frames_out, frames_in = FrameMAC(sender_key), FrameMAC(receiver_key)
+                want = recv_verified(sock, frames_in, Want)
                 assert isinstance(want, Want)
                 if want.error:
                     raise TransferError(want.error)
-                num_pages = self._send_pages(sock, spec, want)
+                num_pages = self._send_pages(sock, spec, want, frames_out)
                 if num_pages:
-                    ack = _expect(recv_message(sock), Ack)
+                    ack = recv_verified(sock, frames_in, Ack)
                     assert isinstance(ack, Ack)
                     ok, detail = ack.ok, ack.error or ""
                 else:
@@ -588,7 +726,7 @@ class TCPTransport(KVTransport):
         with self._cond:
             self._push(TransferEvent(spec.transfer_id, "sent", ok, detail, num_pages if ok else 0))
 
-    def _send_pages(self, sock: socket.socket, spec: SendSpec, want: Want) -> int:
+    def _send_pages(self, sock: socket.socket, spec: SendSpec, want: Want, frames: FrameMAC) -> int:
         if want.num_pages == 0:
             return 0
         end = want.first_page + want.num_pages
@@ -604,23 +742,13 @@ class TCPTransport(KVTransport):
             while first < end:
                 count = min(per_batch, end - first)
                 runs = page_runs(first, count)  # count pages x their contiguous runs, in wire order
-                per_page = len(runs) // count
-                checksums = [
-                    page_checksum_runs(runs[i * per_page : (i + 1) * per_page]) for i in range(count)
-                ]
-                header = _encoder.encode(
-                    Batch(spec.transfer_id, first, count, dtype_name(spec.source.dtype), checksums)
-                )
-                for start in range(0, len(runs), _MAX_IOVECS):
-                    parts = runs[start : start + _MAX_IOVECS]
-                    _sendall_parts(
-                        sock, [_LENGTH.pack(len(header)) + header, *parts] if start == 0 else parts
-                    )
+                batch = Batch(spec.transfer_id, first, count, dtype_name(spec.source.dtype))
+                send_tagged(sock, frames, batch, runs)
                 with self._cond:
                     self.counters.pages_sent += count
                     self.counters.bytes_sent += count * page_bytes
                 first += count
-            send_message(sock, Done(spec.transfer_id))
+            send_tagged(sock, frames, Done(spec.transfer_id))
             return want.num_pages
         staging = self._buffers.take(per_batch * page_bytes)  # reused: no page faults per batch
         try:
@@ -631,15 +759,13 @@ class TCPTransport(KVTransport):
                 raw = memoryview(staging)[: count * page_bytes]
                 out = torch.frombuffer(raw, dtype=spec.source.dtype).view(count, *layout.page_shape())
                 spec.source.read_into(first, count, out)
-                checksums = [page_checksum(raw[i * page_bytes : (i + 1) * page_bytes]) for i in range(count)]
                 self._send_payload(sock, want, raw, offset)  # off-socket bytes land before their header
-                header = _encoder.encode(
-                    Batch(spec.transfer_id, first, count, dtype_name(spec.source.dtype), checksums, offset)
-                )
+                batch = Batch(spec.transfer_id, first, count, dtype_name(spec.source.dtype), offset)
                 if want.remote is None:  # header and pages in one call (no concatenation copy)
-                    _sendall_parts(sock, [_LENGTH.pack(len(header)) + header, raw])
-                else:
-                    sock.sendall(_LENGTH.pack(len(header)) + header)
+                    send_tagged(sock, frames, batch, (raw,))
+                else:  # the tag covers the bytes the receiver finds in its staging buffer
+                    data = _encoder.encode(batch)
+                    sock.sendall(_LENGTH.pack(len(data)) + data + frames.tag(data, (raw,)))
                 offset += len(raw)
                 with self._cond:
                     self.counters.pages_sent += count
@@ -647,7 +773,7 @@ class TCPTransport(KVTransport):
                 first += count
         finally:
             self._buffers.give(staging)
-        send_message(sock, Done(spec.transfer_id))
+        send_tagged(sock, frames, Done(spec.transfer_id))
         return want.num_pages
 
     # ---- both -----------------------------------------------------------------------------------

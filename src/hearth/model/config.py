@@ -86,6 +86,25 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     rotary_dim: int | None = None  # the rotated dims of each head when not all of them (None: head_dim)
+    # Per-layer attention kinds (transformers' `layer_types`): "full_attention", "sliding_attention" (the last
+    # `sliding_window` positions), "chunked_attention" (`attention_chunk_size`-token chunks). Empty: every
+    # layer full, or windowed when `sliding_window` is set.
+    layer_types: tuple[str, ...] = ()
+    attention_chunk_size: int | None = None
+    no_rope_layers: frozenset[int] = frozenset()  # layers whose queries and keys are not rotated (NoPE)
+    rope_local_theta: float | None = None  # the sliding layers' own rotary base (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale: 1/sqrt(this), not 1/sqrt(head_dim) (Gemma)
+
+    def layer_attention(self, layer: int) -> tuple[int | None, int | None]:
+        """(sliding window, chunk size) of decoder layer `layer`'s attention; (None, None) for full attention."""
+        if not self.layer_types:
+            return self.sliding_window, None
+        kind = self.layer_types[layer]
+        if kind == "sliding_attention":
+            return self.sliding_window, None
+        if kind == "chunked_attention":
+            return None, self.attention_chunk_size
+        return None, None
 
     @property
     def rotary_size(self) -> int:
@@ -102,6 +121,11 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """From `model_dir/config.json`, or from the metadata of a GGUF file when `model_dir` is one."""
+        from hearth.model.gguf_file import GGUFCheckpoint, is_gguf_path
+
+        if is_gguf_path(model_dir):
+            return cls.from_dict(GGUFCheckpoint(model_dir).hf_config(), source=str(model_dir))
         path = Path(model_dir) / "config.json"
         if not Path(model_dir).is_dir():
             raise ModelLoadError(f"model directory {model_dir} does not exist")
@@ -145,7 +169,8 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope_parameters(raw, source)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        hidden_act = raw.get("hidden_act", "silu")
+        # Gemma's configs call it hidden_activation.
+        hidden_act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
         if hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
             raise ModelLoadError(f"{source}: hidden_act {hidden_act!r} is not supported (silu, gelu)")
         return cls(
@@ -172,6 +197,8 @@ class ModelConfig:
 def _rope_parameters(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any]]:
     # transformers 5 writes `rope_parameters` (theta inside); older checkpoints use rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers' here
+        params = dict(params["full_attention"])
     legacy = raw.get("rope_scaling") or {}
     if legacy:
         params = {**legacy, **params}

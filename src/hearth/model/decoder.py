@@ -113,7 +113,7 @@ class CausalLM(nn.Module):
         table = (
             torch.empty(max_positions, config.rotary_size)
             if on_meta
-            else build_cos_sin_table(config, max_positions)
+            else type(self).rotary_table(config, max_positions)
         )
         self.register_buffer("cos_sin", table, persistent=False)
         self.lm_head_weights: LinearWeights | None = None
@@ -123,6 +123,13 @@ class CausalLM(nn.Module):
         # last) is kept, concatenated in this order, in `aux_hidden` `[tokens, len * hidden]` after each forward.
         self.aux_hidden_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
+        self.embed_scale: float | None = None
+
+    @classmethod
+    def rotary_table(cls, config: ModelConfig, max_positions: int) -> torch.Tensor:
+        """The float32 cos/sin table `forward` indexes by position (`rotary.build_cos_sin_table`); a family
+        with two schedules (Gemma 3's local and global layers) lays both out in it."""
+        return build_cos_sin_table(config, max_positions)
 
     def checkpoint_target(self, name: str) -> tuple[str, ShardId | None] | None:
         """The parameter (and part of it, for a fused one) that checkpoint tensor `name` loads into;
@@ -186,6 +193,8 @@ class CausalLM(nn.Module):
         model = self.model
         if model.is_first_stage:
             hidden = model.embed_tokens(token_ids)
+            if self.embed_scale is not None:  # Gemma: the embedding times sqrt(hidden), in the model's dtype
+                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
             residual = None
         else:  # the residual stream after the stage before (its last layer's output added in)
             hidden = recv_from_previous_stage(

@@ -296,6 +296,7 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.use_rope = layer_index not in config.no_rope_layers  # NoPE layers (Llama 4's global ones)
 
     def forward(
         self,
@@ -306,6 +307,8 @@ class Attention(nn.Module):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
+        if not self.use_rope:  # the identity rotation: x * 1 + rotate(x) * 0 is x exactly
+            cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
         q, k, v = self._rotate_and_write_kv(self.qkv_proj(hidden), cos, sin, kv, ctx)
         out = ctx.backend.forward(self.layer_index, q, k, v, ctx.kv_pool, ctx.metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

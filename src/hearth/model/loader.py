@@ -1,4 +1,4 @@
-"""Load a Hugging Face checkpoint directory into the model its config names: build the model class
+"""Load a Hugging Face checkpoint directory (or a GGUF file, `hearth.model.gguf_file`) into the model its config names: build the model class
 from the registry on the meta device, place it on the device, and hand every checkpoint tensor to
 the weight loader of the parameter it maps to (`hearth.model.weights`)."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,12 @@ from torch import nn
 
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.decoder import CausalLM, MissingLayer
+from hearth.model.gguf_file import GGUFCheckpoint, QuantizedTensor, is_gguf_path
 from hearth.model.kv_scale_names import kv_scale_target
 from hearth.model.layers import LayerOptions
 from hearth.model.lazy_tensor import LOADED_BYTES, LazyTensor
 from hearth.model.quantization import get_quantization_method
 from hearth.model.registry import get_model_class
-from hearth.model.rotary import build_cos_sin_table
 from hearth.model.weights import ShardId, TPRank, WeightShapeError, default_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ def load_model(
     in eval mode and processed for inference by its quantization method (on CPU: the fast paths'
     weight layouts; on other devices the unquantized weights stay as loaded)."""
     model_dir = Path(model_dir)
-    checkpoint_files(model_dir)  # no weights: fail before allocating the model
+    if not is_gguf_path(model_dir):
+        checkpoint_files(model_dir)  # no weights: fail before allocating the model
     model = build_model(
         config,
         dtype,
@@ -111,19 +113,17 @@ def build_model(
         # to_empty() gives every module its own storage, untying them
         model.lm_head.weight = model.model.embed_tokens.weight
     # to_empty() left the rotary table uninitialised: build it, in float32.
-    model.cos_sin = build_cos_sin_table(config, max_positions).to(device)
+    model.cos_sin = type(model).rotary_table(config, max_positions).to(device)
     return model
 
 
 def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False) -> None:
-    """Fill `model`'s parameters from the checkpoint in `model_dir`; a ModelLoadError names the first
-    tensor that does not fit (unexpected name, wrong shape) or the tensors the checkpoint lacks.
+    """Fill `model`'s parameters from the checkpoint in `model_dir` (a directory of safetensors, or a
+    GGUF file); a ModelLoadError names the first tensor that does not fit (unexpected name, wrong shape)
+    or the tensors the checkpoint lacks.
 
     Tensors of modules another pipeline stage holds are skipped unread. Parameters whose loader
     slices (`lazy_loading`) get a `LazyTensor`, so only this rank's rows / columns are read."""
-    from safetensors import safe_open
-
-    files = checkpoint_files(Path(model_dir))
     params = dict(model.named_parameters(remove_duplicate=False))
     elsewhere = tuple(
         f"{name}."
@@ -139,44 +139,72 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False)
 
         bar = tqdm(total=len(params), desc="Loading weights", unit="tensor", leave=False)
     with torch.no_grad():
-        for path in files:
-            with safe_open(str(path), framework="pt") as reader:
-                for name in reader.keys():
-                    scale_target = kv_scale_target(name)
-                    if scale_target is not None:
-                        model.checkpoint_kv_scales[scale_target] = reader.get_tensor(name)
-                        continue
-                    target = model.checkpoint_target(name)
-                    if target is None:
-                        continue
-                    param_name, shard = target
-                    param = params.get(param_name)
-                    if param is None and param_name.startswith(elsewhere):
-                        continue  # another pipeline stage loads it
-                    if param is None:
-                        raise ModelLoadError(
-                            f"{path.name}: unexpected tensor {name!r} for {model.config.architecture}"
-                        )
-                    weight_loader = getattr(param, "weight_loader", default_weight_loader)
-                    if getattr(param, "lazy_loading", False):
-                        tensor: torch.Tensor | LazyTensor = LazyTensor.from_safetensors(reader, name)
-                    else:
-                        tensor = reader.get_tensor(name)
-                        LOADED_BYTES["whole"] += tensor.numel() * tensor.element_size()
-                    try:
-                        weight_loader(param, tensor, shard)
-                    except WeightShapeError as exc:
-                        raise ModelLoadError(
-                            f"{path.name}: {name} has shape {exc.loaded_shape}, config implies {exc.expected_shape}"
-                        ) from None
-                    except ModelLoadError as exc:
-                        raise ModelLoadError(f"{path.name}: {name} {exc}") from None
-                    loaded.add((param_name, shard))
-                    if bar is not None:
-                        bar.update(1)
+        for source, name, read in _checkpoint_tensors(model, Path(model_dir), params):
+            scale_target = kv_scale_target(name)
+            if scale_target is not None:
+                model.checkpoint_kv_scales[scale_target] = read(False)
+                continue
+            target = model.checkpoint_target(name)
+            if target is None:
+                continue
+            param_name, shard = target
+            param = params.get(param_name)
+            if param is None and param_name.startswith(elsewhere):
+                continue  # another pipeline stage loads it
+            if param is None:
+                raise ModelLoadError(f"{source}: unexpected tensor {name!r} for {model.config.architecture}")
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            tensor = read(getattr(param, "lazy_loading", False))
+            if isinstance(tensor, QuantizedTensor) and not getattr(param, "gguf_blocks", False):
+                tensor = tensor.dequantize().to(param.dtype)  # embeddings, norms: no block-quantized path
+            try:
+                weight_loader(param, tensor, shard)
+            except WeightShapeError as exc:
+                raise ModelLoadError(
+                    f"{source}: {name} has shape {exc.loaded_shape}, config implies {exc.expected_shape}"
+                ) from None
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"{source}: {name} {exc}") from None
+            loaded.add((param_name, shard))
+            if bar is not None:
+                bar.update(1)
     if bar is not None:
         bar.close()
     _check_complete(model, loaded)
+
+
+TensorReader = Callable[[bool], "torch.Tensor | LazyTensor | QuantizedTensor"]
+
+
+def _checkpoint_tensors(
+    model: CausalLM, path: Path, params: dict[str, nn.Parameter]
+) -> Iterator[tuple[str, str, TensorReader]]:
+    """(file name, checkpoint tensor name, read) for every tensor of the checkpoint, in file order;
+    `read(lazy)` returns it whole, or as a `LazyTensor` when `lazy` and the format can slice lazily."""
+    if is_gguf_path(path):
+        hf_names = [
+            model.checkpoint_name(name, shard)
+            for name, param in params.items()
+            for shard in getattr(param, "shard_ids", (None,))
+        ]
+        for name, value in GGUFCheckpoint(path).tensors(hf_names):
+            if isinstance(value, torch.Tensor):
+                LOADED_BYTES["whole"] += value.numel() * value.element_size()
+            yield path.name, name, lambda lazy, value=value: value
+        return
+    from safetensors import safe_open
+
+    def read(reader: Any, name: str, lazy: bool) -> torch.Tensor | LazyTensor:
+        if lazy:
+            return LazyTensor.from_safetensors(reader, name)
+        tensor = reader.get_tensor(name)
+        LOADED_BYTES["whole"] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as reader:
+            for name in reader.keys():
+                yield file.name, name, partial(read, reader, name)
 
 
 def _check_complete(model: CausalLM, loaded: set[tuple[str, ShardId | None]]) -> None:

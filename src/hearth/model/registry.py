@@ -24,6 +24,7 @@ _MODULES = (
     "hearth.model.models.qwen3_moe",
     "hearth.model.models.deepseek_v3",
     "hearth.model.models.glm4_moe",
+    "hearth.model.models.gemma3",
 )
 _MODELS: dict[str, type[CausalLM]] = {}
 

@@ -137,7 +137,12 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
-        """Load `tokenizer.json` plus the configs around it (tokenizer_config, config, generation_config)."""
+        """Load `tokenizer.json` plus the configs around it (tokenizer_config, config, generation_config);
+        for a GGUF file, the tokenizer its metadata describes (`from_gguf`)."""
+        from hearth.model.gguf_file import is_gguf_path
+
+        if is_gguf_path(model_dir):
+            return cls.from_gguf(model_dir)
         model_dir = Path(model_dir)
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -175,6 +180,36 @@ class Tokenizer:
             extra_eos_token_ids=eos_ids,
             chat_template=chat_template,
             clean_up_tokenization_spaces=bool(tok_config.get("clean_up_tokenization_spaces", False)),
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer, special tokens, EOS ids and chat template of a GGUF file's metadata."""
+        from hearth.model.config import ModelLoadError
+        from hearth.model.gguf_file import GGUFCheckpoint
+        from hearth.model.gguf_tokenizer import tokenizer_from_gguf
+
+        try:
+            checkpoint = GGUFCheckpoint(path)
+            fields = checkpoint.tokenizer_fields()
+            backend = tokenizer_from_gguf(fields, str(path))
+        except ModelLoadError as exc:
+            raise TokenizerError(str(exc)) from None
+        tokens = fields.get("ggml.tokens") or []
+
+        def token(key: str) -> str | None:
+            token_id = fields.get(key)
+            return (
+                tokens[int(token_id)] if token_id is not None and 0 <= int(token_id) < len(tokens) else None
+            )
+
+        return cls(
+            backend,
+            bos_token=token("ggml.bos_token_id"),
+            eos_token=token("ggml.eos_token_id"),
+            pad_token=token("ggml.padding_token_id"),
+            extra_eos_token_ids=checkpoint.hf_config()["eos_token_id"],
+            chat_template=fields.get("chat_template"),
         )
 
     @staticmethod

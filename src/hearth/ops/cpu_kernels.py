@@ -8,10 +8,16 @@
 - RMSNorm, fused with the residual add before it: one call instead of ~9 small torch ops.
 - RoPE on the fused qkv projection with the KV write: one call instead of ~25 small torch ops.
 
-Building takes ~60 s the first time on a machine and is cached (per CPU feature set) under
-torch's extension directory, so the engine starts at once on the torch paths and switches to the
-kernels when they are ready. `HEARTH_CPU_KERNELS=0` turns them off; a failed build only logs a
-warning.
+Building takes ~60 s the first time on a machine (5-10 min on a busy one) and is cached under torch's
+extension directory, keyed by the CPU's features and a hash of the kernel sources, flags and torch
+version: two checkouts with the same sources share one build, and different sources never overwrite
+each other's. The build runs before the server says it is ready (`build_before_ready`, with a progress
+line), never beside serving; `hearth build-kernels` (or any first start) builds it ahead of time.
+`HEARTH_CPU_KERNELS=0` turns the kernels off; a failed build only logs a warning (the torch paths serve).
+
+The compiler runs in a child process (its own process group, so torch's lock file is released and no
+compiler is left behind when it stops) that dies with its server: it gets SIGTERM when the process that
+started it exits, however that happens, and stops its compilers with it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -51,7 +58,8 @@ _CFLAGS = [
     "-fno-trapping-math",
 ]
 
-_STALE_LOCK_S = 300  # a build takes ~1 min (3 under load); a lock this old belongs to a dead builder
+BUILDER_PID_FILE = "hearth-builder.pid"
+_STALE_LOCK_S = 300  # a lock this old with no builder pid file is taken as left by a dead builder
 
 _lock = threading.Lock()
 _kernel: Callable[..., object] | None = None  # paged decode attention
@@ -64,6 +72,9 @@ _int4_skinny_linear: Callable[..., object] | None = None
 _paged_decode_attention_bf16: Callable[..., object] | None = None
 _check_page_tags: Callable[..., list[int]] | None = None
 _build_thread: threading.Thread | None = None
+_builders: set[subprocess.Popen[bytes]] = set()  # compiler processes running now
+PROGRESS_INTERVAL_S = 30.0
+LOAD_S = 5.0
 
 
 def _cpu_tag() -> str:
@@ -77,49 +88,147 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+def _source_tag() -> str:
+    """The build's inputs: sources (and the headers beside them), flags, torch and Python versions."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in sorted({*_SOURCES, *(Path(__file__).parent / "csrc").glob("*.h")}):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    # "staged": compiled from copies in the build directory (`_staged_sources`), a build of its own.
+    digest.update(repr((_CFLAGS, torch.__version__, sys.version_info[:2], "staged")).encode())
+    return digest.hexdigest()[:12]
+
+
+def extension_name() -> str:
+    return f"hearth_cpu_kernels_{_cpu_tag()}_{_source_tag()}"
+
+
 def enabled() -> bool:
     return os.environ.get("HEARTH_CPU_KERNELS", "1") != "0"
 
 
 def _clear_stale_lock(name: str) -> None:
-    # torch's builder waits forever on a lock file left by a process killed mid-build.
+    """torch's builder waits forever on a lock file left by a builder killed mid-build (SIGKILL: on
+    SIGTERM it releases it). A lock is stale when the builder that wrote `BUILDER_PID_FILE` is gone; a
+    lock with no such file (an older Hearth, or torch used directly) only after `_STALE_LOCK_S`. A live
+    builder's lock is never taken, however long a loaded machine makes its build."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    directory = Path(_get_build_directory(name, verbose=False))
+    lock = directory / "lock"
     try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink()
+        age_s = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
-        pass
+        return
+    try:
+        owner: int | None = int((directory / BUILDER_PID_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        owner = None
+    if owner is not None:
+        try:
+            os.kill(owner, 0)
+            return  # still building
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            return
+    elif age_s <= _STALE_LOCK_S:
+        return
+    lock.unlink(missing_ok=True)
 
 
-def _compile_detached(name: str) -> None:
-    """Compile (or find up to date) the extension in a child process of its own session.
+def _staged_sources(name: str) -> list[Path]:
+    """The sources (and headers), copied into the build's own directory: the compile commands then name
+    no checkout, so every checkout with these sources finds the build up to date (ninja rebuilds when a
+    command changes, and a source's path is part of its command)."""
+    from torch.utils.cpp_extension import _get_build_directory
 
-    torch's builder holds a lock file while it compiles. A server stopped mid-build (SIGTERM, a test
-    ending) would leave that lock behind, and every later start would wait on it forever; a
-    detached child finishes the build (and releases the lock) whatever happens to us.
+    staged = Path(_get_build_directory(name, verbose=False)) / "src"
+    staged.mkdir(exist_ok=True)
+    csrc = Path(__file__).parent / "csrc"
+    for path in sorted({*_SOURCES, *csrc.glob("*.h")}):
+        target = staged / path.name
+        data = path.read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            tmp = target.with_name(f".{target.name}.{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)  # the name's hash covers these bytes: any copy is the same file
+    return [staged / path.name for path in _SOURCES]
+
+
+def _compile(name: str, sources: list[Path]) -> None:
+    """Compile (or find up to date) the extension in a child process that dies with us.
+
+    torch's builder holds a lock file while it compiles; the child releases it on SIGTERM (torch's
+    `finally`), and sends its process group (ninja and the compilers) SIGTERM on its way out.
     """
     from torch.utils.cpp_extension import _get_build_directory
 
     log = Path(_get_build_directory(name, verbose=False)) / "hearth-build.log"
     with open(log, "w") as out:
-        code = subprocess.Popen(
-            [sys.executable, "-c", _BUILD_SNIPPET, name, repr(_CFLAGS), *map(str, _SOURCES)],
+        process = subprocess.Popen(
+            [sys.executable, "-c", _BUILD_SNIPPET, name, repr(_CFLAGS), *map(str, sources), _BUILD_WORK],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
-        ).wait()
+            start_new_session=True,  # its own group: stopped as one (the builder and its compilers)
+            preexec_fn=_die_with_parent,
+        )
+        (log.parent / BUILDER_PID_FILE).write_text(str(process.pid))  # who holds torch's lock, if anyone
+        with _lock:
+            _builders.add(process)
+        try:
+            code = process.wait()
+        finally:
+            with _lock:
+                _builders.discard(process)
     if code != 0:
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
         raise RuntimeError(lines[-1] if lines else f"build exited with {code}")
 
 
-_BUILD_SNIPPET = """
-import ast, sys
+def _die_with_parent() -> None:
+    """In the builder before exec: SIGTERM when the process that started it exits (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def stop_builds() -> None:
+    """Stop any build under way (a server stopping): the builder releases torch's lock and stops its
+    compilers; the next start builds again."""
+    with _lock:
+        builders = list(_builders)
+    for process in builders:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# SIGTERM (from `stop_builds`, or PR_SET_PDEATHSIG when its server exits) raises SystemExit: torch's
+# `finally` releases its lock and `subprocess.run` kills ninja; then the rest of the group (compilers)
+# is stopped. A parent already gone before the handler was set is caught by the ppid check.
+_BUILD_WORK = """
 from torch.utils.cpp_extension import load
 load(name=sys.argv[1], sources=sys.argv[3:], extra_cflags=ast.literal_eval(sys.argv[2]), verbose=False)
+"""
+_BUILD_SNIPPET = """
+import ast, os, signal, sys
+def stop(signum, frame):
+    raise SystemExit(128 + signum)
+signal.signal(signal.SIGTERM, stop)
+if os.getppid() == 1:
+    sys.exit(143)
+try:
+    exec(sys.argv.pop(-1))
+finally:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)
 """
 
 
@@ -135,13 +244,14 @@ def _build() -> None:
     try:
         from torch.utils.cpp_extension import load
 
-        name = f"hearth_cpu_kernels_{_cpu_tag()}"
+        name = extension_name()
         _clear_stale_lock(name)
-        _compile_detached(name)
+        sources = _staged_sources(name)
+        _compile(name, sources)
         # Up to date now: this only loads the library.
         module = load(
             name=name,
-            sources=[str(path) for path in _SOURCES],
+            sources=[str(path) for path in sources],
             extra_cflags=_CFLAGS,
             verbose=False,
         )
@@ -169,6 +279,30 @@ def start_build() -> None:
         if _build_thread is None:
             _build_thread = threading.Thread(target=_build, name="hearth-kernel-build", daemon=True)
             _build_thread.start()
+
+
+def build_before_ready() -> None:
+    """Build (or load) the kernels now, with progress lines while a build runs: a server is ready only
+    after this, so a compile never competes with serving."""
+    if not enabled():
+        return
+    started = time.monotonic()
+    start_build()
+    assert _build_thread is not None
+    _build_thread.join(LOAD_S)  # loading a build that is up to date takes about this long
+    if not _build_thread.is_alive():
+        return
+    logger.warning(
+        "preparing the CPU kernels (a build, once per CPU and source version, takes 1-10 min); "
+        "the server is ready after it (`hearth build-kernels` does it ahead of time, HEARTH_CPU_KERNELS=0 "
+        "skips the kernels)"
+    )
+    while _build_thread.is_alive():
+        _build_thread.join(PROGRESS_INTERVAL_S)
+        if _build_thread.is_alive():
+            logger.warning("still building the CPU kernels (%.0f s so far)", time.monotonic() - started)
+    if _kernel is not None:  # else the failure was logged, and the torch paths serve
+        logger.warning("CPU kernels built in %.0f s", time.monotonic() - started)
 
 
 def paged_decode_attention_kernel(wait: bool = False) -> Callable[..., object] | None:

@@ -5,10 +5,12 @@ group_size`. Act-order checkpoints (GPTQ `desc_act`, a `g_idx` per input column)
 input columns by group once at load: `perm` reorders the activations' features to match.
 
 - Up to `INT4_MAX_ROWS` rows (decode): the compiled `int4_skinny_linear` kernel reads the packed nibbles
-  (~3.5x fewer bytes than bf16). By default it rounds the activations to int8 per (row, group) and takes an
-  integer dot (W4A8, as llama.cpp's Q4 x Q8): in cache the float unpack, not the bytes, bounded the float
-  kernel. `HEARTH_INT4_ACTIVATIONS=float` keeps them float32 (exact weight-only, W4A16), e.g. to compare a
-  checkpoint with another implementation token for token.
+  (~3.5x fewer bytes than bf16). A checkpoint that ships INT4 (GPTQ, AWQ, compressed-tensors, GGUF) runs with
+  its own numerics by default: float32 activations (W4A16, as vLLM's Marlin path), so its tokens are the
+  dequantized reference's. `--quantization int4` (Hearth's own RTN rounding, no reference to match) rounds
+  the activations to int8 per (row, group) and takes an integer dot by default (W4A8, as llama.cpp's Q4 x
+  Q8): in cache the float unpack, not the bytes, bounded the float kernel. `HEARTH_INT4_ACTIVATIONS=int8|float`
+  sets it for every INT4 layer (W4A8 on a checkpoint is an explicit opt-in; docs/quantization.md has its cost).
 - More rows (prefill) or no kernel: the weight is dequantized to float32 for the call and multiplied by
   oneDNN/MKL; the arithmetic dominates there, and nothing float-sized is kept between calls.
 """
@@ -27,12 +29,13 @@ INT4_MAX_ROWS = 16
 BLOCK = 64  # weights per packed block (the kernel's unit)
 
 
-def int8_activations_default() -> bool:
-    """W4A8 unless `HEARTH_INT4_ACTIVATIONS=float` (read when a layer's weights are built)."""
-    value = os.environ.get("HEARTH_INT4_ACTIVATIONS", "int8")
-    if value not in ("int8", "float"):
+def int8_activations_default(checkpoint_format: bool = False) -> bool:
+    """W4A8 for Hearth's own RTN weights, W4A16 for a checkpoint's INT4 (`checkpoint_format`), unless
+    `HEARTH_INT4_ACTIVATIONS=int8|float` says otherwise (read when a layer's weights are built)."""
+    value = os.environ.get("HEARTH_INT4_ACTIVATIONS", "")
+    if value not in ("", "int8", "float"):
         raise ValueError(f"HEARTH_INT4_ACTIVATIONS={value!r}: expected 'int8' or 'float'")
-    return value == "int8"
+    return value == "int8" if value else not checkpoint_format
 
 
 @dataclass
@@ -73,9 +76,12 @@ def make_int4_weights(
     zeros: torch.Tensor,
     group_size: int,
     g_idx: torch.Tensor | None = None,
+    *,
+    checkpoint_format: bool = False,
 ) -> Int4Weights:
     """From unpacked `q [out, in]` (0..15), `scales`/`zeros [out, groups]` (zeros in q units) and, for
-    act-order, `g_idx [in]` (each column's group)."""
+    act-order, `g_idx [in]` (each column's group). `checkpoint_format`: the weights are a checkpoint's own
+    INT4 (W4A16 by default), not Hearth's RTN rounding."""
     perm = None
     if g_idx is not None:
         g_idx = g_idx.long()
@@ -93,6 +99,7 @@ def make_int4_weights(
         zero_scaled=(zeros.float() * scales).contiguous(),
         group_size=group_size,
         perm=perm,
+        int8_activations=int8_activations_default(checkpoint_format),
     )
 
 

@@ -55,14 +55,18 @@ def fused_moe(
     pair_weights = topk_weights.reshape(-1)
     pair_tokens = torch.arange(num_tokens, device=hidden.device).repeat_interleave(top_k)
     local = (local_ids >= 0) & (local_ids < num_local_experts)
-    if not bool(local.all()):  # some pairs go to other ranks' experts
+    # A CUDA graph capture cannot wait on this check; graphs are only captured where every expert is local.
+    capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and not bool(local.all()):  # some pairs go to other ranks' experts
         local_ids, pair_weights, pair_tokens = local_ids[local], pair_weights[local], pair_tokens[local]
         if local_ids.numel() == 0:
             return out
     order = torch.argsort(local_ids, stable=True)
     sorted_tokens = pair_tokens[order]
     sorted_weights = pair_weights[order]
-    counts = torch.bincount(local_ids, minlength=num_local_experts)
+    # Not bincount: on CUDA it reads the largest id back to the host, which a graph capture cannot do.
+    counts = torch.zeros(num_local_experts, dtype=torch.long, device=hidden.device)
+    counts.scatter_add_(0, local_ids, torch.ones_like(local_ids))
     rows = hidden.index_select(0, sorted_tokens)  # [pairs, hidden_size], grouped by expert
     if grouped if grouped is not None else grouped_mm_pays(hidden):
         group_ends = torch.cumsum(counts, 0).to(torch.int32)
@@ -70,6 +74,10 @@ def fused_moe(
         gate, up = gate_up.split(intermediate, dim=-1)
         expert_out = torch._grouped_mm(activation(gate) * up, down_weights.transpose(-2, -1), offs=group_ends)
     else:
+        if capturing:  # before the host read below, which would break the capture with a CUDA error
+            raise RuntimeError(
+                "the per-expert MoE loop reads expert counts on the host: it cannot be captured"
+            )
         expert_out = torch.empty_like(rows)
         start = 0
         for expert, count in enumerate(counts.tolist()):

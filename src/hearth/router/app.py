@@ -20,13 +20,14 @@ import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hearth.router.config import RouterConfig
-from hearth.router.errors import error_response, sse_error_event
+from hearth.router.errors import error_response, error_response_for, sse_error_event_for
 from hearth.router.front import HttpServer, Request, Response, StreamWriter, json_response
 from hearth.router.health import HealthChecker
 from hearth.router.metrics import RouterMetrics
 from hearth.router.pd import PDAdapter, PDPair, make_pd_adapter
 from hearth.router.policies import RouteRequest, RoutingPolicy, TokenAwarePolicy, make_policy
 from hearth.router.prefix_index import CharBlockKeyer, PrefixKeyer, TokenPageKeyer
+from hearth.router.sessions import ResponseOwners, response_id_in, session_key
 from hearth.router.tokens import (
     TokenEstimator,
     make_estimator,
@@ -52,11 +53,21 @@ from hearth.router.workers import Ticket, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
-FORWARDED_HEADERS = ("authorization", "x-request-id", "x-session-affinity")
+FORWARDED_HEADERS = (
+    "authorization",
+    "x-api-key",  # Anthropic clients authenticate with it
+    "anthropic-version",
+    "anthropic-beta",
+    "x-request-id",
+    "x-session-affinity",
+)
+RESPONSES_PATH = "/v1/responses"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 RETURNED_HEADERS = ("x-request-id",)
 # aiohttp-client errors that mean a worker never answered (health checks, /v1/models).
 CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
 JSON_HEADER_LINE = b"content-type: application/json\r\n"
+PREFILL_HEALTH_POLL_S = 0.1  # how often a finished answer waiting for the prefill's usage checks its health
 
 
 class UpstreamFailed(Exception):
@@ -81,7 +92,7 @@ class Router:
         self.pool = pool
         self.policy: RoutingPolicy = make_policy(config.policy, config.balance)
         self.decode_policy = TokenAwarePolicy(config.balance)
-        self.adapter: PDAdapter = make_pd_adapter(config.pd_protocol)
+        self.adapter: PDAdapter = make_pd_adapter(config.pd_protocol, config.kv_transfer_secret)
         self.estimator: TokenEstimator = make_estimator(config.tokenizer_dir)
         self.keyer: PrefixKeyer = (
             TokenPageKeyer(config.model_id, config.page_size)
@@ -89,6 +100,7 @@ class Router:
             else CharBlockKeyer(block_chars=config.page_size * 16)
         )
         self.metrics = RouterMetrics(pool)
+        self.response_owners = ResponseOwners()
         self.session: aiohttp.ClientSession | None = None
         self.upstream = UpstreamPool(config.connect_timeout_s, config.read_timeout_s)
         self.health: HealthChecker | None = None
@@ -105,6 +117,9 @@ class Router:
         for method, path, handler in (
             ("POST", "/v1/chat/completions", self.generate),
             ("POST", "/v1/completions", self.generate),
+            ("POST", RESPONSES_PATH, self.generate),
+            ("POST", "/v1/messages", self.generate),
+            ("POST", COUNT_TOKENS_PATH, self.generate),
             ("GET", "/v1/models", self.models),
             ("GET", "/health", self.healthz),
             ("GET", "/metrics", self.metrics_endpoint),
@@ -113,6 +128,8 @@ class Router:
             ("DELETE", "/admin/workers", self.admin_remove),
         ):
             self.server.add_route(method, path, handler)
+        for method in ("GET", "DELETE"):
+            self.server.add_prefix_route(method, RESPONSES_PATH + "/", self.stored_response)
         return await self.server.start(host, port, reuse_port)
 
     async def start(self) -> None:
@@ -143,17 +160,25 @@ class Router:
     async def generate(self, request: Request) -> Response | StreamWriter:
         received_s = time.perf_counter()
         raw = request.body
+        path = request.path
         try:
             body = json.loads(raw)
         except ValueError:
-            return error_response("request body is not valid JSON", 400)
+            return error_response_for(path, "request body is not valid JSON", 400)
         if not isinstance(body, dict):
-            return error_response("request body must be a JSON object", 400)
+            return error_response_for(path, "request body must be a JSON object", 400)
         headers = forwarded_header_lines(request)
         if headers is None:
-            return error_response("header values must not contain line breaks", 400)
-        route = self._route_request(body, request.headers.get("x-session-affinity"))
+            return error_response_for(path, "header values must not contain line breaks", 400)
+        route = self._route_request(body, session_key(request.headers, body))
         stream = bool(body.get("stream"))
+        if path == COUNT_TOKENS_PATH:  # no generation: any server can count
+            role = next((r for r in ("mixed", "decode", "prefill") if self.pool.healthy(r)), "mixed")
+            return await self._generate_mixed(request, raw, route, headers, False, received_s, role)
+        owner = self._response_owner(body) if path == RESPONSES_PATH else None
+        if owner is not None:
+            # The worker that stored the conversation continues it, and holds its KV.
+            return await self._generate_mixed(request, raw, route, headers, stream, received_s, owner=owner)
         if self.pool.healthy("prefill") and self.pool.healthy("decode"):
             return await self._generate_pd(request, body, route, headers, stream, received_s)
         if not self.pool.healthy("mixed") and self.pool.healthy("decode"):
@@ -161,6 +186,12 @@ class Router:
             # kv_transfer field is an ordinary request to it), which beats answering 503.
             return await self._generate_mixed(request, raw, route, headers, stream, received_s, "decode")
         return await self._generate_mixed(request, raw, route, headers, stream, received_s)
+
+    def _response_owner(self, body: dict[str, Any]) -> Worker | None:
+        previous = body.get("previous_response_id")
+        url = self.response_owners.owner(previous) if isinstance(previous, str) else None
+        worker = self.pool.workers.get(url) if url is not None else None
+        return worker if worker is not None and worker.healthy else None
 
     def _route_request(self, body: dict[str, Any], session_key: str | None) -> RouteRequest:
         text = prompt_text(body)
@@ -192,11 +223,12 @@ class Router:
         stream: bool,
         received_s: float,
         role: str = "mixed",
+        owner: Worker | None = None,
     ) -> Response | StreamWriter:
         tried: set[str] = set()
         errors: list[str] = []
         for attempt in range(2):
-            workers = self.pool.healthy(role)
+            workers = [owner] if owner is not None and not attempt else self.pool.healthy(role)
             if tried:
                 workers = [w for w in workers if w.url not in tried]
             if not workers:
@@ -214,7 +246,9 @@ class Router:
                 continue
             return await self._relay(request, upstream, [ticket], stream)
         cause = "; ".join(errors) or "no healthy worker"
-        return error_response(f"no worker could take the request: {cause}", 503, "no_worker")
+        return error_response_for(
+            request.path, f"no worker could take the request: {cause}", 503, "no_worker"
+        )
 
     async def _send(
         self, worker: Worker, path: str, data: bytes, headers: bytes, ticket: Ticket
@@ -267,11 +301,15 @@ class Router:
                     body = await upstream.read()
                 except UpstreamError as exc:
                     self._count_error(tickets, "midstream")
-                    return error_response(f"worker failed while answering: {exc}", 502, "upstream_error")
+                    return error_response_for(
+                        request.path, f"worker failed while answering: {exc}", 502, "upstream_error"
+                    )
                 if cached_tokens is not None and upstream.status == 200:
                     cached = await cached_tokens()
                     if cached is not None:
                         body = rewrite_json_body(body, cached)
+                if request.path == RESPONSES_PATH and upstream.status == 200:
+                    self._remember_response(body, tickets)
                 return Response(upstream.status, body, content_type, headers)
             return await self._relay_stream(request, upstream, tickets, headers, cached_tokens)
         finally:
@@ -298,6 +336,8 @@ class Router:
                     first = False
                     for ticket in tickets:
                         ticket.worker.first_token(ticket)
+                    if request.path == RESPONSES_PATH and upstream.status == 200:
+                        self._remember_response(chunk, tickets)
                 if splitter is not None and cached_tokens is not None:
                     chunk = await self._rewrite_chunk(splitter, chunk, cached_tokens)
                     if not chunk:
@@ -313,7 +353,9 @@ class Router:
             self._count_error(tickets, "midstream")
             log.warning("stream from %s broke: %r", tickets[-1].worker.url, exc)
             try:
-                await response.write(sse_error_event(f"worker failed mid-stream: {type(exc).__name__}"))
+                await response.write(
+                    sse_error_event_for(request.path, f"worker failed mid-stream: {type(exc).__name__}")
+                )
             except ConnectionResetError:
                 return response
         try:
@@ -333,6 +375,11 @@ class Router:
                     event = rewrite_event(event, cached)
             out.append(event)
         return b"".join(out)
+
+    def _remember_response(self, data: bytes, tickets: list[Ticket]) -> None:
+        response_id = response_id_in(data[:4096])
+        if response_id is not None:
+            self.response_owners.remember(response_id, tickets[-1].worker.url)
 
     def _count_error(self, tickets: list[Ticket], kind: str) -> None:
         for ticket in tickets:
@@ -391,12 +438,10 @@ class Router:
                 errors.append(str(exc))
                 continue
 
-            async def cached_tokens(task: asyncio.Task[dict[str, Any] | None] = prefill_task) -> int | None:
-                try:
-                    result = await asyncio.wait_for(asyncio.shield(task), self.config.prefill_usage_wait_s)
-                except (asyncio.TimeoutError, asyncio.CancelledError):
-                    return None
-                return cached_tokens_of(result.get("usage")) if result else None
+            async def cached_tokens(
+                task: asyncio.Task[dict[str, Any] | None] = prefill_task, worker: Worker = prefill
+            ) -> int | None:
+                return await self._prefill_cached_tokens(task, worker)
 
             try:
                 return await self._relay(request, upstream, [decode_ticket], stream, cached_tokens)
@@ -406,7 +451,26 @@ class Router:
                     self._background.add(prefill_task)
                     prefill_task.add_done_callback(self._background.discard)
         cause = "; ".join(errors) or "no healthy prefill/decode pair"
-        return error_response(f"no prefill/decode pair could take the request: {cause}", 503, "no_worker")
+        return error_response_for(
+            request.path, f"no prefill/decode pair could take the request: {cause}", 503, "no_worker"
+        )
+
+    async def _prefill_cached_tokens(
+        self, task: asyncio.Task[dict[str, Any] | None], worker: Worker
+    ) -> int | None:
+        """The prefill answer's cached tokens for the decode answer's usage. A finished answer waits for
+        them at most `prefill_usage_wait_s`, and not at all once the prefill server is seen unhealthy
+        (stopped or gone): then the decode side's usage goes out as it is."""
+        deadline_s = time.monotonic() + self.config.prefill_usage_wait_s
+        while not task.done():
+            remaining_s = deadline_s - time.monotonic()
+            if remaining_s <= 0 or not worker.healthy:
+                return None
+            await asyncio.wait({task}, timeout=min(remaining_s, PREFILL_HEALTH_POLL_S))
+        if task.cancelled() or task.exception() is not None:
+            return None
+        result = task.result()
+        return cached_tokens_of(result.get("usage")) if result else None
 
     async def _run_prefill(
         self, worker: Worker, path: str, data: bytes, headers: bytes, ticket: Ticket
@@ -437,6 +501,32 @@ class Router:
         return payload if isinstance(payload, dict) else {}
 
     # ---- other endpoints -------------------------------------------------------------------
+
+    async def stored_response(self, request: Request) -> Response | StreamWriter:
+        """GET/DELETE /v1/responses/{id}[/input_items]: from the worker that stored it, else whichever has it."""
+        assert self.session is not None
+        response_id = request.path[len(RESPONSES_PATH) + 1 :].split("/", 1)[0]
+        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        owner = self.response_owners.owner(response_id)
+        candidates = [w for w in self.pool.workers.values() if w.healthy]
+        candidates.sort(key=lambda w: w.url != owner)  # the owner first
+        last: Response | None = None
+        for worker in candidates:
+            url = worker.url + request.path + (f"?{request.query_string}" if request.query_string else "")
+            try:
+                async with self.session.request(request.method, url, headers=headers) as upstream:
+                    body = await upstream.read()
+                    last = Response(
+                        upstream.status, body, upstream.headers.get("content-type", "application/json")
+                    )
+            except CONNECT_ERRORS:
+                self.metrics.errors.labels(worker.url, "connect").inc()
+                continue
+            if upstream.status != 404:
+                if request.method == "DELETE" and upstream.status == 200:
+                    self.response_owners.forget(response_id)
+                return last
+        return last or error_response("no healthy worker holds stored responses", 503, "no_worker")
 
     async def models(self, request: Request) -> Response | StreamWriter:
         assert self.session is not None

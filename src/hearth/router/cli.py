@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import signal
 from typing import TYPE_CHECKING
 
+from hearth.kv_transfer.auth import SECRET_ENV, SECRET_FILE_ENV, read_secret
 from hearth.router.config import RouterConfig
 from hearth.router.pd import PD_ADAPTERS
 from hearth.router.policies import POLICIES, BalanceConfig
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from hearth.router.app import Router
 
 ADMIN_KEY_ENV = "HEARTH_ROUTER_ADMIN_KEY"
+ADMIN_KEY_FILE_ENV = "HEARTH_ROUTER_ADMIN_KEY_FILE"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +52,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admin-key",
         default=None,
-        help=f"key for /admin/workers (or ${ADMIN_KEY_ENV}); admin is off without it",
+        help=f"key for /admin/workers; visible in `ps`: prefer --admin-key-file or ${ADMIN_KEY_ENV}. "
+        "Admin is off without a key",
+    )
+    parser.add_argument(
+        "--admin-key-file",
+        default=None,
+        metavar="FILE",
+        help=f"file holding the admin key (or ${ADMIN_KEY_FILE_ENV})",
+    )
+    parser.add_argument(
+        "--kv-transfer-secret-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the deployment's KV transfer secret, which signs Hearth PD instructions "
+        "(default: $HEARTH_KV_TRANSFER_SECRET_FILE, then $HEARTH_KV_TRANSFER_SECRET)",
     )
     parser.add_argument("--tokenizer", default=None, metavar="DIR", help="directory with tokenizer.json")
     parser.add_argument(
@@ -71,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """Raises ValueError (MissingSecretError) when a secret file cannot be read."""
+    admin_key = args.admin_key or read_secret(ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, args.admin_key_file)
+    kv_secret = read_secret(SECRET_ENV, SECRET_FILE_ENV, getattr(args, "kv_transfer_secret_file", None))
     return RouterConfig(
         host=args.host,
         port=args.port,
@@ -84,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,
         read_timeout_s=args.read_timeout_s,
-        admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
+        admin_key=admin_key or None,
+        kv_transfer_secret=kv_secret.encode() if kv_secret else None,
         tokenizer_dir=args.tokenizer,
         model_id=args.model_id,
         page_size=args.page_size,
@@ -120,6 +139,12 @@ def run(args: argparse.Namespace) -> int:
             w.role == "prefill" and w.bootstrap_port is None for w in pool.workers.values()
         ):
             raise ValueError("--pd-protocol sglang needs each prefill as --prefill URL BOOTSTRAP_PORT")
+        if config.pd_protocol == "hearth" and args.prefill and config.kv_transfer_secret is None:
+            raise ValueError(
+                "Hearth prefill/decode pools need the deployment's KV transfer secret (the router signs each "
+                f"transfer instruction with it): --kv-transfer-secret-file FILE, ${SECRET_FILE_ENV} or "
+                f"${SECRET_ENV}, the same as the servers'"
+            )
         router = Router(config, pool)
     except (ValueError, FileNotFoundError) as exc:
         print(f"hearth route: {exc}")

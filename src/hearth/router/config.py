@@ -25,5 +25,9 @@ class RouterConfig:
     model_id: str = "hearth"
     page_size: int = 16
     prefix_index_blocks: int = 65536
-    # Longest time to wait for the prefill side's usage before sending the decode side's as is.
-    prefill_usage_wait_s: float = 30.0
+    # Longest time a finished answer waits for the prefill side's usage before the decode side's goes out
+    # as is. The prefill answer normally comes before the decode's (the KV moved first); a stopped or
+    # overloaded prefill server must not hold finished answers (and their connections) for long.
+    prefill_usage_wait_s: float = 2.0
+    # The deployment's KV transfer secret: the router signs Hearth PD instructions with it.
+    kv_transfer_secret: bytes | None = field(default=None, repr=False)

@@ -6,7 +6,8 @@ routing, signals, access-log plumbing); this front costs ~0.04 ms for the same, 
 the gap between a Python router and a Rust one. It serves what a proxy needs and no more:
 keep-alive, pipelined requests answered in order, `Expect: 100-continue`, chunked request bodies
 (decoded by the parser), full or streamed (chunked) responses with write back-pressure, a body
-size limit and an idle timeout. Parsing is the library's; this module frames and dispatches.
+size limit (413, from `Content-Length` before any body is read), a header size limit (431 past
+60 KiB of request line and headers, Envoy's default) and an idle timeout. Parsing is the library's; this module frames and dispatches.
 
 Handlers are `async def handler(request: Request) -> Response | StreamWriter`; a streamed
 answer starts with `await request.start_stream(...)` and ends with `await stream.end()`.
@@ -34,6 +35,7 @@ import httptools
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_HEADER_BYTES = 60 * 1024  # request line + headers (Envoy's default max_request_headers_kb)
 IDLE_TIMEOUT_S = 75.0
 # Requests a client may queue on one connection before the front stops reading from it.
 MAX_PIPELINED = 16
@@ -162,6 +164,8 @@ class HttpProtocol(asyncio.Protocol):
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
         self._body_bytes = 0
+        self._head_bytes = 0  # of the request line and headers being parsed
+        self._in_head = True
         self._keep_alive = True
         self._upgrade = False
         self._close_after = False
@@ -175,6 +179,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_activity_s = self.loop.time()
+        if self._in_head:
+            self._head_bytes += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -182,6 +188,9 @@ class HttpProtocol(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             if not self.closed:
                 self._reject(400, f"malformed HTTP request: {exc}")
+        if self._in_head and self._head_bytes > MAX_HEADER_BYTES and not self.closed:
+            # Still no end of the headers: the parser would buffer them without bound.
+            self._reject(431, f"request headers larger than {MAX_HEADER_BYTES} bytes")
 
     def eof_received(self) -> bool:
         # A client that half-closes after its request still gets the answer, then the close.
@@ -203,6 +212,7 @@ class HttpProtocol(asyncio.Protocol):
     # ---- httptools callbacks -----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._parsed_head_bytes = 0
         self._url = b""
         self._headers = {}
         self._body = []
@@ -210,11 +220,26 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
+    def _count_head(self, size: int) -> None:
+        self._parsed_head_bytes += size
+        if self._parsed_head_bytes > MAX_HEADER_BYTES:
+            self._reject(431, f"request headers larger than {MAX_HEADER_BYTES} bytes")
+            raise httptools.HttpParserError("headers too large")  # stops the parser
+
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        length = self._headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            # Refused from the header: nothing of the body is read, however much is announced.
+            self._reject(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+            raise httptools.HttpParserError("body too large")
         self._keep_alive = self._parser.should_keep_alive()
         self._upgrade = self._parser.should_upgrade()
         if self._headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
@@ -228,6 +253,8 @@ class HttpProtocol(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._in_head = True
+        self._head_bytes = 0
         if self._upgrade:
             return  # refused in data_received: llhttp hands the body to the "upgraded" protocol
         url = self._url.decode("latin-1")
@@ -366,6 +393,7 @@ class HttpServer:
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.loop = loop or asyncio.get_running_loop()
         self.routes: dict[str, dict[str, Handler]] = {}
+        self.prefix_routes: dict[str, dict[str, Handler]] = {}
         self.connections: set[HttpProtocol] = set()
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -373,8 +401,17 @@ class HttpServer:
     def add_route(self, method: str, path: str, handler: Handler) -> None:
         self.routes.setdefault(path, {})[method] = handler
 
+    def add_prefix_route(self, method: str, prefix: str, handler: Handler) -> None:
+        """A handler for every path under `prefix` (`/v1/responses/` for `/v1/responses/{id}`)."""
+        self.prefix_routes.setdefault(prefix, {})[method] = handler
+
     async def dispatch(self, request: Request) -> Response | StreamWriter:
         handlers = self.routes.get(request.path)
+        if handlers is None:
+            handlers = next(
+                (found for prefix, found in self.prefix_routes.items() if request.path.startswith(prefix)),
+                None,
+            )
         if handlers is None:
             return _error(404, f"no route {request.path}", "not_found_error")
         handler = handlers.get(request.method)

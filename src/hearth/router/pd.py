@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearth.kv_transfer.auth import sign_instruction
 from hearth.router.workers import Worker
 
 
@@ -41,6 +42,8 @@ class PDAdapter(ABC):
 
     name: str
     sequential: bool = False
+    # The deployment's KV transfer secret: protocols whose servers authenticate instructions sign them.
+    secret: bytes | None = None
 
     @abstractmethod
     def prefill_body(self, body: dict[str, Any], pair: PDPair) -> dict[str, Any]: ...
@@ -63,10 +66,12 @@ def register_pd_adapter(name: str) -> Callable[[type[PDAdapter]], type[PDAdapter
     return wrap
 
 
-def make_pd_adapter(name: str) -> PDAdapter:
+def make_pd_adapter(name: str, secret: bytes | None = None) -> PDAdapter:
     if name not in PD_ADAPTERS:
         raise ValueError(f"unknown PD protocol {name!r}; choose one of {sorted(PD_ADAPTERS)}")
-    return PD_ADAPTERS[name]()
+    adapter = PD_ADAPTERS[name]()
+    adapter.secret = secret
+    return adapter
 
 
 def one_token_request(body: dict[str, Any]) -> dict[str, Any]:
@@ -77,17 +82,30 @@ def one_token_request(body: dict[str, Any]) -> dict[str, Any]:
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    if "input" in out and "messages" not in out and "prompt" not in out:
+        # A Responses request: its budget has its own name, and the one-token answer is not worth storing.
+        out["max_output_tokens"] = 1
+        out["store"] = False
     return out
 
 
 @register_pd_adapter("hearth")
 class HearthPDAdapter(PDAdapter):
+    """Instructions signed with the deployment secret: Hearth servers follow no other (a client's own
+    `kv_transfer` field is refused), and a prefill server sends KV only to the decode server named here."""
+
+    def _signed(self, role: str, transfer_id: str, peer_url: str) -> dict[str, Any]:
+        if self.secret is None:
+            return {}
+        return sign_instruction(self.secret, role, transfer_id, peer_url)
+
     def prefill_body(self, body: dict[str, Any], pair: PDPair) -> dict[str, Any]:
         out = one_token_request(body)
         out["kv_transfer"] = {
             "role": "prefill",
             "transfer_id": pair.transfer_id,
             "decode_url": pair.decode.url,
+            **self._signed("prefill", pair.transfer_id, pair.decode.url),
         }
         return out
 
@@ -99,6 +117,7 @@ class HearthPDAdapter(PDAdapter):
             "role": "decode",
             "transfer_id": pair.transfer_id,
             "prefill_url": pair.prefill.url,
+            **self._signed("decode", pair.transfer_id, pair.prefill.url),
         }
         return out
 

@@ -15,14 +15,20 @@ CHARS_PER_TOKEN = 4
 
 
 def prompt_text(body: dict[str, Any]) -> str:
-    """The prompt as one string: chat messages (role-tagged) and tools, or the completion prompt."""
+    """The prompt as one string: chat messages (role-tagged) and tools, or the completion prompt; Anthropic
+    Messages (`system` first) and Responses (`instructions`, then the `input` items) likewise."""
     messages = body.get("messages")
+    if messages is None and "input" in body:
+        return _responses_text(body)
     if isinstance(messages, list):
         parts: list[str] = []
         tools = body.get("tools")
         if tools:
             # Tools render before the history in every common template, so they belong to the prefix.
             parts.append(json.dumps(tools, sort_keys=True, separators=(",", ":")))
+        system = body.get("system")
+        if system:
+            parts.append(f"<|system|>{_content_text({'content': system})}")
         for message in messages:
             if isinstance(message, dict):
                 parts.append(f"<|{message.get('role', '')}|>{_content_text(message)}")
@@ -33,6 +39,22 @@ def prompt_text(body: dict[str, Any]) -> str:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         return prompt[0]
     return ""
+
+
+def _responses_text(body: dict[str, Any]) -> str:
+    parts: list[str] = []
+    if body.get("tools"):
+        parts.append(json.dumps(body["tools"], sort_keys=True, separators=(",", ":")))
+    if isinstance(body.get("instructions"), str):
+        parts.append(f"<|system|>{body['instructions']}")
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, dict):
+            text = _content_text(item) or str(item.get("output") or item.get("arguments") or "")
+            parts.append(f"<|{item.get('role') or item.get('type', '')}|>{text}")
+    return "\n".join(parts)
 
 
 def prompt_token_ids(body: dict[str, Any]) -> list[int] | None:
@@ -57,7 +79,7 @@ def _content_text(message: dict[str, Any]) -> str:
 
 
 def max_output_tokens(body: dict[str, Any], default_tokens: int = 256) -> int:
-    for field in ("max_completion_tokens", "max_tokens"):
+    for field in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         value = body.get(field)
         if isinstance(value, int) and value > 0:
             return value

@@ -1,8 +1,11 @@
 """Rewriting `usage` in proxied responses: the JSON body and the SSE chunk that carries it.
 
-In PD mode the decode server saw the prompt arrive as transferred KV, so its own
-`prompt_tokens_details.cached_tokens` describes the wrong cache. The prefill side's number is
-the one that tells the client what was reused.
+In PD mode the decode server saw the prompt arrive as transferred KV, so its own cached-token count
+describes the wrong cache. The prefill side's number is the one that tells the client what was reused.
+Every API names it its own way: chat/completions `usage.prompt_tokens_details.cached_tokens`, Responses
+`usage.input_tokens_details.cached_tokens` (in a stream, inside the event's `response`), Messages
+`usage.cache_read_input_tokens` with `input_tokens` counting only the rest (in a stream, in
+`message_start`'s `message` and in `message_delta`).
 """
 
 from __future__ import annotations
@@ -16,19 +19,44 @@ DATA_PREFIX = b"data:"
 def cached_tokens_of(usage: Any) -> int | None:
     if not isinstance(usage, dict):
         return None
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        return details["cached_tokens"]
+    if isinstance(usage.get("cache_read_input_tokens"), int):
+        return usage["cache_read_input_tokens"]
+    for name in ("prompt_tokens_details", "input_tokens_details"):
+        details = usage.get(name)
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            return details["cached_tokens"]
+    return None
+
+
+def find_usage(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """The usage object of an answer or stream event, wherever its API puts it."""
+    usage = payload.get("usage")
+    if isinstance(usage, dict):
+        return usage
+    for holder in ("response", "message"):
+        inner = payload.get(holder)
+        if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
+            return inner["usage"]
     return None
 
 
 def set_cached_tokens(payload: dict[str, Any], cached_tokens: int) -> bool:
-    usage = payload.get("usage")
-    if not isinstance(usage, dict):
-        return False
-    details = usage.get("prompt_tokens_details")
+    usage = find_usage(payload)
+    if usage is None or not ("prompt_tokens" in usage or "input_tokens" in usage):
+        return False  # no prompt counts here (Anthropic's message_delta may carry output_tokens only)
+    if "cache_read_input_tokens" in usage or (
+        "input_tokens" in usage and "input_tokens_details" not in usage
+    ):
+        # Messages: input_tokens excludes cache reads, so the prompt's total stays what it was.
+        total = int(usage.get("input_tokens") or 0) + int(usage.get("cache_read_input_tokens") or 0)
+        cached = min(cached_tokens, total)
+        usage["cache_read_input_tokens"] = cached
+        usage["input_tokens"] = total - cached
+        return True
+    name = "input_tokens_details" if "input_tokens" in usage else "prompt_tokens_details"
+    details = usage.get(name)
     if not isinstance(details, dict):
-        details = usage["prompt_tokens_details"] = {}
+        details = usage[name] = {}
     details["cached_tokens"] = cached_tokens
     return True
 
@@ -53,8 +81,9 @@ def usage_from_body(body: bytes) -> dict[str, Any] | None:
     usage = None
     for event in body.split(b"\n\n"):
         payload = _event_json(event)
-        if payload is not None and isinstance(payload.get("usage"), dict):
-            usage = payload["usage"]
+        found = find_usage(payload) if payload is not None else None
+        if found is not None:
+            usage = found
     return usage
 
 
@@ -67,7 +96,10 @@ def rewrite_event(event: bytes, cached_tokens: int) -> bytes:
     payload = _event_json(event)
     if payload is None or not set_cached_tokens(payload, cached_tokens):
         return event
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    # Other lines (`event: message_delta`) stay as they were.
+    lines = [line for line in event.rstrip(b"\n").split(b"\n") if not line.startswith(DATA_PREFIX)]
+    lines.append(b"data: " + json.dumps(payload, separators=(",", ":")).encode())
+    return b"\n".join(lines) + b"\n\n"
 
 
 def _event_json(event: bytes) -> dict[str, Any] | None:

@@ -18,11 +18,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import hearth
 from hearth.server.admission import AdmissionController
 from hearth.server.chat_template import ChatTemplate, ChatTemplateError, content_chars, normalize_messages
 from hearth.server.disconnect import QuietDisconnectMiddleware
 from hearth.server.errors import APIError, bad_request, error_body, from_validation_error
 from hearth.server.limits import read_body, too_large
+from hearth.server.messages_protocol import CountTokensRequest, MessagesRequest
 from hearth.server.metrics import ServerMetrics
 from hearth.server.protocol import (
     ChatCompletionRequest,
@@ -30,8 +32,13 @@ from hearth.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from hearth.server.reasoning_parsers import get_reasoning_parser
+from hearth.server.response_store import ResponseStore
+from hearth.server.responses_protocol import ResponsesRequest
 from hearth.server.serving_chat import create_chat_completion
 from hearth.server.serving_completion import create_completion
+from hearth.server.serving_messages import anthropic_error, count_tokens, create_message
+from hearth.server.serving_responses import create_response, delete_response, get_response, input_items
 from hearth.server.state import ServerConfig, ServerState
 from hearth.server.tokenization import PromptTokenizer
 from hearth.server.tool_parsers import get_tool_parser
@@ -49,27 +56,58 @@ _KEYED_PATHS = ("/tokenize", "/detokenize")
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on `/v1/*`, `/tokenize` and `/detokenize`; health, metrics and load
-    stay open for probes."""
+    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on `/v1/*`, `/tokenize` and
+    `/detokenize`; health, metrics and load stay open for probes."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._expected_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
         if path.startswith("/v1/") or path in _KEYED_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                response = APIError(
-                    "Incorrect or missing API key; send `Authorization: Bearer <key>`",
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            given_key = headers.get(b"x-api-key", b"")
+            if not (
+                hmac.compare_digest(given, self._expected)
+                or hmac.compare_digest(given_key, self._expected_key)
+            ):
+                error = APIError(
+                    "Incorrect or missing API key; send `Authorization: Bearer <key>` or `x-api-key: <key>`",
                     401,
                     "invalid_request_error",
                     code="invalid_api_key",
-                ).response()
+                )
+                response = anthropic_error(error) if path.startswith("/v1/messages") else error.response()
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """Echoes a client's `X-Request-Id` on the response (as vLLM does), so a client or proxy can match them."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = next((value for key, value in scope["headers"] if key == b"x-request-id"), None)
+        text = request_id.decode("latin-1") if request_id is not None else ""
+        if not text or len(text) > 256 or not text.isascii() or not text.isprintable():
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 async def _parse(
@@ -94,7 +132,9 @@ def _attach_engine(state: ServerState, engine: AsyncEngine, model_dir: str) -> N
         engine.tokenizer, engine.max_model_len, state.config.allow_special_tokens_in_content
     )
     try:
-        state.chat_template = ChatTemplate.from_dir(model_dir, state.config.chat_template_path)
+        state.chat_template = ChatTemplate.from_dir(
+            state.config.tokenizer_dir or model_dir, state.config.chat_template_path
+        )
         if state.tool_parser is not None:
             state.tool_parser.adapt_to_template(state.chat_template.source)
     except (ChatTemplateError, OSError) as exc:
@@ -124,6 +164,8 @@ def build_app(
         metrics=metrics,
         admission=AdmissionController(max_running_seqs, config.max_waiting_seqs),
         tool_parser=get_tool_parser(config.tool_parser) if config.tool_parser else None,
+        reasoning_parser=get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None,
+        responses=ResponseStore(config.max_stored_responses, config.stored_response_ttl_s),
     )
     state_box["state"] = state
     if config.role == "prefill":
@@ -174,6 +216,7 @@ def build_app(
     app.state.hearth = state
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware)
     app.add_middleware(QuietDisconnectMiddleware)  # added last: outermost of ours
 
     @app.exception_handler(APIError)
@@ -197,6 +240,44 @@ def build_app(
         return await create_chat_completion(
             state, await _parse(raw, ChatCompletionRequest, config, state.prompts), raw
         )
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Response:
+        return await create_response(state, await _parse(raw, ResponsesRequest, config, state.prompts), raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw: Request) -> dict[str, Any]:
+        return get_response(state, response_id, raw)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str, raw: Request) -> dict[str, Any]:
+        return delete_response(state, response_id, raw)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, raw: Request) -> dict[str, Any]:
+        return input_items(state, response_id, raw)
+
+    @app.post("/v1/messages")
+    async def messages(raw: Request) -> Response:
+        try:
+            request = await _parse(raw, MessagesRequest, config, state.prompts)
+            return await create_message(state, request, raw)
+        except APIError as exc:
+            return anthropic_error(exc)
+        except Exception as exc:
+            logger.exception("unhandled error", exc_info=exc)
+            return anthropic_error(APIError(f"internal error: {type(exc).__name__}", 500, "internal_error"))
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(raw: Request) -> Response:
+        try:
+            request = await _parse(raw, CountTokensRequest, config, state.prompts)
+            return JSONResponse(await count_tokens(state, request))
+        except APIError as exc:
+            return anthropic_error(exc)
+        except Exception as exc:
+            logger.exception("unhandled error", exc_info=exc)
+            return anthropic_error(APIError(f"internal error: {type(exc).__name__}", 500, "internal_error"))
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -232,6 +313,16 @@ def build_app(
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": hearth.__version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (and SageMaker's) liveness probe: as /health, with an empty body."""
+        ready = state.engine_error is None and state.ready
+        return Response(status_code=200 if ready else 503)
 
     @app.get("/kv_transfer/endpoint")
     async def kv_transfer_endpoint() -> dict[str, Any]:

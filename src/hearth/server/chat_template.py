@@ -143,7 +143,12 @@ class ChatTemplate:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, override_path: str | Path | None = None) -> ChatTemplate:
-        """Load from `chat_template.jinja` or `tokenizer_config.json` (or `override_path`, a jinja file)."""
+        """Load from `chat_template.jinja` or `tokenizer_config.json` (or `override_path`, a jinja file); a
+        GGUF file's from its metadata (`tokenizer.chat_template`)."""
+        from hearth.model.gguf_file import is_gguf_path
+
+        if is_gguf_path(model_dir):
+            return cls._from_gguf(Path(model_dir), override_path)
         model_dir = Path(model_dir)
         config: dict[str, Any] = {}
         config_path = model_dir / "tokenizer_config.json"
@@ -165,6 +170,19 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"{model_dir} has no chat template (tokenizer_config.json or chat_template.jinja); "
                 "pass --chat-template FILE or use /v1/completions"
+            )
+        return cls(source, special_tokens)
+
+    @classmethod
+    def _from_gguf(cls, path: Path, override_path: str | Path | None) -> ChatTemplate:
+        from hearth.model.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf(path)
+        special_tokens = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+        source = Path(override_path).read_text() if override_path is not None else tokenizer.chat_template
+        if source is None:
+            raise ChatTemplateError(
+                f"{path} has no chat template (tokenizer.chat_template); pass --chat-template FILE or use /v1/completions"
             )
         return cls(source, special_tokens)
 

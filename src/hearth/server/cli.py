@@ -8,6 +8,7 @@ the server answers 503 and exits 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ from types import FrameType
 
 import hearth
 from hearth.engine.config import EngineConfig
+from hearth.server.reasoning_parsers import available_reasoning_parsers
 from hearth.server.tool_parsers import available_tool_parsers
 
 logger = logging.getLogger("hearth.server")
@@ -25,7 +27,15 @@ DEFAULT_MODEL_DIR = Path(hearth.__file__).resolve().parents[2] / "models" / "dem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint directory or Hugging Face repo id (as --model; vLLM's `vllm serve MODEL`)",
+    )
     EngineConfig.add_cli_arguments(parser)
+    add_vllm_arguments(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     group.add_argument("--port", type=port_number, default=8000, help="port to bind (0: any free port)")
@@ -46,6 +56,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="hermes",
         choices=[*available_tool_parsers(), "none"],
         help="format of the model's tool calls (none: return the text as is)",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice 'auto' is always on when a tool-call parser is set",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=available_reasoning_parsers(),
+        help="split the model's thinking into reasoning_content (default: none, thinking stays in content)",
     )
     group.add_argument(
         "--chat-template", default=None, help="a jinja file to use instead of the checkpoint's"
@@ -84,7 +105,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "by default it is tokenized as text",
     )
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    group.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="the HTTP server's log level (default: --log-level)",
+    )
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    group.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        default=False,
+        help="log every request's id, prompt length and sampling parameters",
+    )
+    group.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_false",
+        help="do not log requests (the default)",
+    )
     add_pd_arguments(parser)
 
 
@@ -111,7 +151,14 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-transfer-secret",
         default=None,
-        help="the deployment's shared KV transfer secret (default: $HEARTH_KV_TRANSFER_SECRET)",
+        help="the deployment's shared KV transfer secret; visible in `ps`: prefer --kv-transfer-secret-file "
+        "or $HEARTH_KV_TRANSFER_SECRET",
+    )
+    group.add_argument(
+        "--kv-transfer-secret-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the KV transfer secret (default: $HEARTH_KV_TRANSFER_SECRET_FILE)",
     )
     group.add_argument(
         "--kv-transfer-timeout",
@@ -120,6 +167,142 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds a decode request waits for its KV before it computes the prompt itself",
     )
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM options that name the model or say what the server may do: kept where their meaning holds,
+    refused by `check_vllm_arguments` (with the Hearth way) where it cannot."""
+    group = parser.add_argument_group("coming from vLLM (docs/server.md)")
+    group.add_argument(
+        "--config",
+        default=None,
+        help="a YAML file of options (`port: 8000`, `max-model-len: 32k`); the command line wins",
+    )
+    group.add_argument(
+        "--revision", default=None, help="a Hub repo id's branch, tag or commit in the local HF cache"
+    )
+    group.add_argument(
+        "--download-dir",
+        default=None,
+        help="the Hugging Face cache to find repo ids in (default: $HF_HUB_CACHE)",
+    )
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted; Hearth runs only its own architectures' code, never a checkpoint's",
+    )
+    group.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Hearth always chunks long prompts (to --max-num-batched-tokens); --no-enable-chunked-prefill is refused",
+    )
+    group.add_argument(
+        "--disable-log-stats", action="store_true", help="accepted; Hearth logs no periodic stats"
+    )
+    group.add_argument("--enable-lora", action="store_true", help="refused: Hearth serves no LoRA adapters")
+    group.add_argument(
+        "--lora-modules", nargs="+", default=None, help="refused: Hearth serves no LoRA adapters"
+    )
+    group.add_argument("--max-loras", type=int, default=None, help=argparse.SUPPRESS)
+    group.add_argument("--max-lora-rank", type=int, default=None, help=argparse.SUPPRESS)
+    group.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="only 1: run several servers behind `hearth route` (or `hearth launch`) instead",
+    )
+    group.add_argument(
+        "--kv-transfer-config", default=None, help="refused: use --role prefill|decode and `hearth route`"
+    )
+    group.add_argument(
+        "--load-format", default="auto", help="auto or safetensors (GGUF files load from --model FILE.gguf)"
+    )
+
+
+def check_vllm_arguments(args: argparse.Namespace) -> str | None:
+    """What a vLLM option asks that Hearth cannot do, said with the Hearth way; None when all hold."""
+    if args.enable_lora or args.lora_modules or args.max_loras or args.max_lora_rank:
+        return (
+            "LoRA adapters (--enable-lora, --lora-modules) are not supported; merge the adapter into the base "
+            "weights (peft's merge_and_unload) and serve the merged checkpoint with --model DIR"
+        )
+    if not args.enable_chunked_prefill:
+        return (
+            "--no-enable-chunked-prefill is not supported: Hearth always splits long prompts into steps of "
+            "--max-num-batched-tokens; raise that instead to prefill a prompt in one step"
+        )
+    if args.data_parallel_size != 1:
+        return (
+            "--data-parallel-size is not supported inside one server; run one `hearth serve` per replica "
+            "behind `hearth route` (or `hearth launch --mixed N`)"
+        )
+    if args.kv_transfer_config:
+        return (
+            "--kv-transfer-config is not supported; disaggregate with --role prefill|decode "
+            "(docs/pd-protocol.md) behind `hearth route`"
+        )
+    if args.load_format not in ("auto", "safetensors", "gguf"):
+        return f"--load-format {args.load_format} is not supported; Hearth reads safetensors and GGUF files"
+    return None
+
+
+def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--config FILE` (YAML: option names with dashes or underscores -> values) as command-line words
+    placed before the real ones, so the command line wins. vLLM's file format."""
+    path = None
+    rest: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--config":
+            path = next(words, None)
+            if path is None:
+                parser.error("--config needs a file")
+        elif word.startswith("--config="):
+            path = word.split("=", 1)[1]
+        else:
+            rest.append(word)
+    if path is None:
+        return argv
+    import yaml
+
+    try:
+        with open(path) as handle:
+            options = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {path}: {exc}")
+    if not isinstance(options, dict):
+        parser.error(f"--config {path}: expected a mapping of option names to values")
+    known = {option: action for action in parser._actions for option in action.option_strings}
+    expanded: list[str] = []
+    for key, value in options.items():
+        option = "--" + str(key).replace("_", "-")
+        if str(key) in ("model", "model_tag") and "--model" in known:
+            option = "--model"
+        action = known.get(option)
+        if action is None:
+            parser.error(f"--config {path}: unknown option {key!r}")
+        if isinstance(value, bool) and action.metavar == "{on,off}":
+            expanded += [option, "on" if value else "off"]  # YAML reads a bare `on` as true
+        elif isinstance(value, bool):
+            if value and action.nargs == 0:
+                expanded.append(option)
+            elif not value and action.nargs == 0:
+                negative = "--no-" + option[2:]
+                if negative in known:
+                    expanded.append(negative)
+            else:
+                expanded += [option, str(value).lower()]
+        elif isinstance(value, list):
+            expanded += [option, *[str(item) for item in value]]
+        elif isinstance(value, dict):
+            import json
+
+            expanded += [option, json.dumps(value)]
+        elif value is not None:
+            expanded += [option, str(value)]
+    return expanded + rest
 
 
 def port_number(text: str) -> int:
@@ -133,13 +316,29 @@ def port_number(text: str) -> int:
     return port
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """The checkpoint to serve: `--model`, else the bundled demo model. Exits with a message if neither exists."""
+def resolve_model_dir(model: str | None, revision: str | None = None, cache_dir: str | None = None) -> Path:
+    """The checkpoint to serve: `--model` (a directory, a GGUF file, a short name such as `smollm2`
+    (`hearth.model.named_models`), or a Hub repo id in the local HF cache), else the bundled demo model.
+    Exits with a message if none exists."""
     if model is not None:
-        path = Path(model)
-        if not path.is_dir():
-            raise SystemExit(f"hearth serve: --model {model}: no such directory")
-        return path
+        from hearth.model.config import ModelLoadError
+        from hearth.model.gguf_file import is_gguf_path
+        from hearth.model.named_models import resolve_named_model
+
+        try:
+            path = resolve_named_model(model) or Path(model)
+        except ModelLoadError as exc:
+            raise SystemExit(f"hearth serve: {exc}") from None
+        if path.is_dir() or is_gguf_path(path):
+            return path
+        from hearth.model.hub_cache import ModelNotCachedError, looks_like_repo_id, resolve_cached_repo
+
+        if not looks_like_repo_id(model) or path.exists():
+            raise SystemExit(f"hearth serve: --model {model}: no such directory or GGUF file")
+        try:
+            return resolve_cached_repo(model, revision, cache_dir)
+        except ModelNotCachedError as exc:
+            raise SystemExit(f"hearth serve: --model {exc}") from None
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         raise SystemExit(
             f"hearth serve: no default model exists yet ({DEFAULT_MODEL_DIR} is missing); "
@@ -165,11 +364,26 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    refused = check_vllm_arguments(args)
+    if refused is not None:
+        print(f"hearth serve: {refused}", file=sys.stderr)
+        return 2
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        print(
+            f"hearth serve: two models given ({args.model_tag} and --model {args.model}); give one",
+            file=sys.stderr,
+        )
+        return 2
+    model_arg = args.model_tag or args.model
     try:
-        model_dir = resolve_model_dir(args.model)
+        model_dir = resolve_model_dir(model_arg, args.revision, args.download_dir)
+        if args.tokenizer is not None:
+            args.tokenizer = str(resolve_model_dir(args.tokenizer, None, args.download_dir))
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return 2
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code: Hearth runs no code from checkpoints; its own architectures load")
     if args.max_waiting_seqs < 0:
         print("hearth serve: --max-queued-requests must be >= 0", file=sys.stderr)
         return 2
@@ -187,24 +401,39 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_transfer_secret:
         # The engine core reads it from its environment: it never appears in its command line.
         os.environ["HEARTH_KV_TRANSFER_SECRET"] = args.kv_transfer_secret
-    if engine_config.role != "mixed" and not os.environ.get("HEARTH_KV_TRANSFER_SECRET"):
-        print(
-            f"hearth serve: --role {engine_config.role} needs the deployment's KV transfer secret: pass "
-            "--kv-transfer-secret or set $HEARTH_KV_TRANSFER_SECRET (the same on every server)",
-            file=sys.stderr,
-        )
-        return 2
+    if getattr(args, "kv_transfer_secret_file", None):
+        os.environ["HEARTH_KV_TRANSFER_SECRET_FILE"] = args.kv_transfer_secret_file
+    if engine_config.role != "mixed":
+        from hearth.kv_transfer.auth import MissingSecretError, deployment_secret
+
+        try:
+            deployment_secret()
+        except MissingSecretError as exc:
+            print(f"hearth serve: --role {engine_config.role}: {exc}", file=sys.stderr)
+            return 2
     if engine_config.node_rank > 0:  # this host only runs ranks; node 0 serves the API
         from hearth.engine.ranks.node import run_node
 
         return run_node(engine_config)
+    names = args.served_model_name or []
+    aliases = [str(model_dir), str(model_dir.resolve()), model_dir.name, *names[1:]]
+    if model_arg is not None:
+        aliases.append(model_arg)  # the repo id the client knows it by
+    served_name = engine_config.served_model_name or (
+        model_arg if model_arg and not Path(model_arg).exists() else None
+    )
+    if served_name is not None and served_name != engine_config.served_model_name:
+        engine_config = dataclasses.replace(engine_config, served_model_name=served_name)
     server_config = ServerConfig(
         model_name=engine_config.model_name,
         api_key=args.api_key or None,
         max_waiting_seqs=args.max_waiting_seqs,
         tool_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         chat_template_path=args.chat_template,
-        aliases=(str(model_dir), str(model_dir.resolve()), model_dir.name),
+        aliases=tuple(aliases),
+        log_requests=args.log_requests,
+        tokenizer_dir=args.tokenizer,
         role=engine_config.role,
         kv_transfer=engine_config.kv_transfer,
         max_request_bytes=args.max_request_bytes,
@@ -219,6 +448,11 @@ def run(args: argparse.Namespace) -> int:
             f"hearth serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr
         )
         return 1
+    bound_host, bound_port = sock.getsockname()[:2]
+    # The real port (with --port 0 the kernel picks it): what clients and launchers read from the log.
+    logger.info(
+        "listening on http://%s:%d", f"[{bound_host}]" if ":" in bound_host else bound_host, bound_port
+    )
     # The model runs in the engine-core process; torch threads here would only compete with it for cores.
     torch.set_num_threads(1)
     failures: list[BaseException] = []
@@ -247,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
         app,
         host=args.host,
         port=sock.getsockname()[1],
-        log_level=args.log_level,
+        log_level=args.uvicorn_log_level or args.log_level,
         access_log=args.access_log,
         # DrainingServer waits --shutdown-timeout and ends what is left with errors; this is only the time
         # those error answers get to go out.

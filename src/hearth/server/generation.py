@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -52,8 +53,60 @@ def resolve_max_tokens(
     return requested
 
 
+def _vllm_structured_output(request: SamplingRequest) -> tuple[str, StructuredOutput] | None:
+    """vLLM's `structured_outputs` / `guided_*` as the engine's spec, with the field that asked for it."""
+    given: list[tuple[str, str, Any]] = []
+    if request.structured_outputs is not None:
+        spec = request.structured_outputs
+        for kind, value in (
+            ("json", spec.json_),
+            ("regex", spec.regex),
+            ("choice", spec.choice),
+            ("grammar", spec.grammar),
+            ("json_object", spec.json_object or None),
+        ):
+            if value is not None:
+                given.append(("structured_outputs", kind, value))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(request, f"guided_{kind}")
+        if value is not None:
+            given.append((f"guided_{kind}", kind, value))
+    if not given:
+        return None
+    if len(given) > 1 or request.response_format is not None and request.response_format.type != "text":
+        raise bad_request(
+            "give one constraint: response_format, structured_outputs or one guided_* field", given[-1][0]
+        )
+    field_name, kind, value = given[0]
+    if kind == "json_object":
+        return field_name, StructuredOutput.json_object()
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise bad_request(f"{field_name}: not a JSON schema: {exc}", field_name) from exc
+        if not isinstance(value, dict):
+            raise bad_request(f"{field_name}: a JSON schema must be an object", field_name)
+        return field_name, StructuredOutput.json_schema(value)
+    if kind == "regex":
+        return field_name, StructuredOutput.lark_grammar("start: /" + value.replace("/", "\\/") + "/")
+    if kind == "choice":
+        return field_name, StructuredOutput.lark_grammar("start: " + " | ".join(json.dumps(c) for c in value))
+    return field_name, StructuredOutput.lark_grammar(value)
+
+
 def structured_output(request: SamplingRequest) -> StructuredOutput | None:
-    """The request's `response_format` as the engine's spec (one per request: its choices share it)."""
+    """The request's `response_format` (or vLLM's `structured_outputs`/`guided_*`) as the engine's spec (one
+    per request: its choices share it)."""
+    vllm_spec = _vllm_structured_output(request)
+    if vllm_spec is not None:
+        field_name, spec = vllm_spec
+        try:
+            spec.validate()
+        except ValueError as exc:
+            raise bad_request(f"{field_name}: {exc}", field_name) from exc
+        return spec
     response_format = request.response_format
     if response_format is None or response_format.type == "text":
         return None
@@ -72,8 +125,13 @@ def sampling_params(
     skip_special_tokens: bool | None = None,
     choice_index: int = 0,
     structured: StructuredOutput | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    try:
+        logit_bias = request.logit_bias_ids
+    except ValueError as exc:
+        raise bad_request(str(exc), "logit_bias", code="invalid_value") from exc
     seed = request.seed
     if seed is not None and choice_index:
         seed += choice_index  # n seeded choices would otherwise all be the same answer
@@ -98,9 +156,50 @@ def sampling_params(
             else skip_special_tokens,
             min_tokens=request.min_tokens,
             structured_output=structured,
+            logit_bias=logit_bias,
+            prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
     except InvalidParamError as exc:
         raise bad_request(str(exc), param=exc.param, code="invalid_value") from exc
+
+
+def check_logit_bias(request: SamplingRequest, vocab_size: int) -> None:
+    """Every `logit_bias` key a token id of this model (400 naming the field otherwise)."""
+    if not request.logit_bias:
+        return
+    try:
+        bias = request.logit_bias_ids or {}
+    except ValueError as exc:
+        raise bad_request(str(exc), "logit_bias", code="invalid_value") from exc
+    if max(bias) >= vocab_size:
+        raise bad_request(
+            f"logit_bias: token id {max(bias)} is not below the vocabulary size {vocab_size}",
+            "logit_bias",
+            code="invalid_value",
+        )
+
+
+def prompt_logprobs_entries(
+    state: ServerState, prompt: list[int], entries: list[TokenLogprob] | None
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank, decoded_token}}
+    with the prompt token and its top alternatives."""
+    result: list[dict[str, Any] | None] = [None]
+    for item in entries or []:
+        entry = {
+            str(item.token_id): {
+                "logprob": max(item.logprob, -9999.0),
+                "rank": item.rank,
+                "decoded_token": state.token_text(item.token_id),
+            }
+        }
+        for rank, (token_id, logprob) in enumerate(item.top, start=1):
+            entry.setdefault(
+                str(token_id),
+                {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": state.token_text(token_id)},
+            )
+        result.append(entry)
+    return result
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -121,6 +220,7 @@ class _Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finished: bool = False
+    queue_time_s: float = 0.0  # in the engine before it first ran (the engine reports it once)
 
 
 @dataclass(eq=False)  # kept in a set (ServerState.live): identity, not field equality
@@ -158,7 +258,19 @@ class Generation:
             self.state.metrics.rejected.inc()
             raise
         self._admitted = True
+        if self.state.config.log_requests:  # --enable-log-requests
+            logger.info(
+                "request %s: %d choice(s), prompt tokens %s, params %s",
+                self.request_id,
+                len(self.prompts),
+                [len(prompt) for prompt in self.prompts],
+                self.params[0],
+            )
         self.state.live.add(self)
+        metrics = self.state.metrics
+        metrics.request_params_n.observe(len(self.prompts))
+        if self.params[0].max_tokens is not None:
+            metrics.request_params_max_tokens.observe(self.params[0].max_tokens)
         for choice in self._choices:
             self.state.load.start(choice.request_id, choice.prompt_tokens)
 
@@ -212,6 +324,9 @@ class Generation:
         now = time.perf_counter()
         metrics = self.state.metrics
         num_new = len(output.new_token_ids)
+        if output.queue_time_s is not None:
+            choice.queue_time_s = output.queue_time_s
+            metrics.queue_time_s.observe(output.queue_time_s)
         if num_new:
             if choice.first_token_s is None:
                 choice.first_token_s = now
@@ -232,6 +347,23 @@ class Generation:
             self.state.load.finish(choice.request_id)
             metrics.e2e_latency_s.observe(now - self.arrival_s)
             metrics.request_finished(output.finish_reason or "unknown")
+            self._observe_phases(choice)
+
+    def _observe_phases(self, choice: _Choice) -> None:
+        """vLLM's per-request histograms, once a choice has finished: queue, prefill, decode, inference."""
+        metrics = self.state.metrics
+        metrics.request_prompt_tokens.observe(choice.prompt_tokens)
+        metrics.request_generation_tokens.observe(choice.completion_tokens)
+        if choice.first_token_s is not None and choice.last_token_s is not None:
+            prefill_s = max(0.0, choice.first_token_s - self.arrival_s - choice.queue_time_s)
+            decode_s = choice.last_token_s - choice.first_token_s
+            metrics.prefill_time_s.observe(prefill_s)
+            metrics.decode_time_s.observe(decode_s)
+            metrics.inference_time_s.observe(prefill_s + decode_s)
+            if choice.completion_tokens > 1:
+                metrics.time_per_output_token_s.observe(decode_s / (choice.completion_tokens - 1))
+        if all(other.finished for other in self._choices):
+            metrics.request_max_num_generation_tokens.observe(max(c.completion_tokens for c in self._choices))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every choice's outputs, merged in arrival order, as (choice index, output).
@@ -357,6 +489,26 @@ class CompletionLogprobs:
             )
             self.text_offset.append(offset)
             offset += len(text)
+        return offset
+
+    def add_prompt(
+        self, state: ServerState, prompt: list[int], entries: list[TokenLogprob] | None, num_top: int
+    ) -> int:
+        """`echo` + `logprobs`: the prompt's tokens first, the first one with no logprob (OpenAI's shape)."""
+        offset = 0
+        for index, token_id in enumerate(prompt):
+            text = state.token_text(token_id)
+            self.tokens.append(text)
+            self.text_offset.append(offset)
+            offset += len(text)
+            item = entries[index - 1] if index and entries and index - 1 < len(entries) else None
+            if item is None:
+                self.token_logprobs.append(None)  # type: ignore[arg-type]
+                self.top_logprobs.append(None)  # type: ignore[arg-type]
+                continue
+            self.token_logprobs.append(max(item.logprob, -9999.0))
+            top = {state.token_text(tid): max(lp, -9999.0) for tid, lp in item.top[:num_top]}
+            self.top_logprobs.append(top)
         return offset
 
     def as_dict(self) -> dict[str, Any]:

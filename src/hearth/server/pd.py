@@ -1,7 +1,9 @@
 """The servers' side of prefill/decode disaggregation (docs/pd-protocol.md), in the API process.
 
 The router's `kv_transfer` field becomes the engine request's `KVTransferParams` when it matches this
-server's `--role`; otherwise it is ignored and the server computes the prompt itself. A prefill server
+server's `--role`; otherwise it is ignored and the server computes the prompt itself. It is followed only
+if the router signed it with the deployment's secret (`hearth.kv_transfer.auth`): a client that writes
+its own `kv_transfer` (say, a `decode_url` of its own "decode server") gets a 403 and nothing moves. A prefill server
 finds where to send the KV by asking the decode server (`GET {decode_url}/kv_transfer/endpoint`, cached
 per decode server); the engine core does the transfer itself.
 """
@@ -15,6 +17,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from hearth.engine.messages import KVTransferParams
+from hearth.kv_transfer.auth import MissingSecretError, deployment_secret, instruction_refusal
+from hearth.server.errors import APIError
 from hearth.server.protocol import SamplingRequest
 from hearth.server.state import ServerState
 
@@ -94,6 +98,15 @@ async def engine_kv_transfer(
             num_choices,
         )
         return None
+    peer_url = (spec.decode_url if role == "prefill" else spec.prefill_url) or ""
+    try:
+        refusal = instruction_refusal(
+            deployment_secret(), role, spec.transfer_id, peer_url, spec.expires, spec.signature
+        )
+    except MissingSecretError as exc:
+        refusal = str(exc)
+    if refusal is not None:
+        raise APIError(refusal, 403, "permission_error", "kv_transfer", "kv_transfer_unauthenticated")
     if role == "decode":
         return KVTransferParams("decode", spec.transfer_id)
     peers: KVPeers | None = state.kv_peers

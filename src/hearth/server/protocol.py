@@ -1,7 +1,10 @@
 """The OpenAI request bodies Hearth accepts, validated strictly (wrong types and NaN are 400s, not coercions).
 
 Responses are built as plain dicts in the serving modules: they are on the hot path and need no validation.
-Unknown fields are ignored so harnesses that send newer OpenAI parameters keep working.
+No field is silently ignored: each one here is honoured; OpenAI's and vLLM's fields Hearth does not do are
+refused by name (`UNSUPPORTED_FIELDS`); fields that change nothing by their nature (`user`, `metadata`,
+`store`, `service_tier`) are accepted. Other unknown fields are ignored, as OpenAI-compatible servers do, so
+harnesses that send newer parameters keep working; the server logs them.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hearth.server.errors import bad_request
 
 _CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -99,6 +104,77 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+class StructuredOutputsField(_Model):
+    """vLLM's `structured_outputs` (and its older `guided_*` fields): exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputsField:
+        given = [
+            name
+            for name, value in (
+                ("json", self.json_),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+                ("json_object", self.json_object or None),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of json, regex, choice, grammar, json_object (got {given or 'none'})"
+            )
+        return self
+
+
+# OpenAI's and vLLM's request fields Hearth does not implement: refused by name (400), never dropped. The value
+# is what the field may be and still mean "nothing asked" (accepted), or None: any value is refused.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...] | None] = {
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "logits_processors": (None,),
+    "functions": (None,),
+    "function_call": (None,),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "prompt_embeds": (None,),
+    "priority": (None, 0),
+    "spaces_between_special_tokens": (None, True),
+    "mm_processor_kwargs": (None,),
+    "documents": (None,),
+    "vllm_xargs": (None,),
+}
+
+
+def refuse_unsupported(data: Any) -> Any:
+    """Raises the 400 naming the first unsupported field a body sets (an APIError passes through pydantic)."""
+    if isinstance(data, dict):
+        for name, accepted in UNSUPPORTED_FIELDS.items():
+            if name in data and (accepted is None or data[name] not in accepted):
+                raise bad_request(
+                    f"{name} is not supported by this server (docs/server.md lists the fields it honours)",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+    return data
+
+
 class KVTransferField(_Model):
     """The router's PD instructions (docs/pd-protocol.md)."""
 
@@ -106,6 +182,10 @@ class KVTransferField(_Model):
     transfer_id: Annotated[str, Field(min_length=1, max_length=128)]
     decode_url: str | None = None
     prefill_url: str | None = None
+    # The router's signature over role, transfer id, the peer URL and `expires` (hearth.kv_transfer.auth):
+    # an instruction without a valid one is refused, so a client cannot direct KV anywhere.
+    expires: int | None = None
+    signature: Annotated[str, Field(max_length=128)] | None = None
 
 
 class SamplingRequest(_Model):
@@ -133,6 +213,36 @@ class SamplingRequest(_Model):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     kv_transfer: KVTransferField | None = None
+    # OpenAI's token id (as a string) -> bias in [-100, 100], added to the logits; ids checked against the vocab.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # vLLM: logprobs of the prompt's tokens (all but the first) with this many top alternatives.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    # Accepted: they change nothing about the answer by their nature (OpenAI bookkeeping).
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data)
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """`logit_bias` with int keys; ValueError names a key that is not a token id."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit() or len(key) > 10:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            bias[int(key)] = value
+        return bias
 
     @property
     def usage_in_stream(self) -> tuple[bool, bool]:
@@ -159,6 +269,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template (as vLLM does); refused where the template does not read it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 # A completions prompt: a string, strings, token ids, or lists of token ids.

@@ -14,10 +14,12 @@ from hearth.server.errors import APIError, bad_request
 from hearth.server.generation import (
     CompletionLogprobs,
     Generation,
+    check_logit_bias,
     engine_error,
     engine_failure,
     logger,
     new_request_id,
+    prompt_logprobs_entries,
     resolve_max_tokens,
     sampling_params,
     structured_output,
@@ -70,7 +72,13 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     engine = state.require_engine()
     if request.suffix:
         raise bad_request("suffix (fill-in-the-middle) is not supported", "suffix")
+    check_logit_bias(request, engine.vocab_size)
     prompts = await _prompt_token_lists(state, request)
+    # `echo` + `logprobs`: the prompt's tokens are scored too (how lm-evaluation-harness reads log-likelihoods).
+    scored = request.echo and request.logprobs is not None
+    prompt_top = None
+    if scored or request.prompt_logprobs is not None:
+        prompt_top = max(request.logprobs or 0 if scored else 0, request.prompt_logprobs or 0)
     n = request.n
     token_lists: list[list[int]] = []
     params = []
@@ -83,7 +91,14 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
         for i in range(n):
             token_lists.append(tokens)
             params.append(
-                sampling_params(request, max_tokens, request.logprobs, choice_index=i, structured=structured)
+                sampling_params(
+                    request,
+                    max_tokens,
+                    request.logprobs,
+                    choice_index=i,
+                    structured=structured,
+                    prompt_logprobs=prompt_top,
+                )
             )
             prompt_index.append(p)
     request_id = new_request_id("cmpl")
@@ -104,25 +119,39 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     return await respond(
         raw,
         request.stream,
-        lambda: _stream(state, request, generation, echoes),
-        lambda: _complete(state, request, generation, echoes),
+        lambda: _stream(state, request, generation, echoes, token_lists),
+        lambda: _complete(state, request, generation, echoes, token_lists),
         generation.close,
     )
 
 
 async def _complete(
-    state: ServerState, request: CompletionRequest, generation: Generation, echoes: list[str]
+    state: ServerState,
+    request: CompletionRequest,
+    generation: Generation,
+    echoes: list[str],
+    prompts: list[list[int]],
 ) -> Response:
     num_choices = len(echoes)
     texts = list(echoes)
     logprobs = [CompletionLogprobs() for _ in range(num_choices)]
     offsets = [len(echo) for echo in echoes]
+    prompt_entries: list[list[dict[str, Any] | None] | None] = [None] * num_choices
     finish: list[tuple[str | None, str | int | None]] = [(None, None)] * num_choices
     try:
         async for index, output in generation.outputs():
             failure = engine_failure(output)
             if failure is not None:
                 raise failure
+            if output.prompt_logprobs is not None:
+                if request.echo and request.logprobs is not None:
+                    offsets[index] = logprobs[index].add_prompt(
+                        state, prompts[index], output.prompt_logprobs, request.logprobs
+                    )
+                if request.prompt_logprobs is not None:
+                    prompt_entries[index] = prompt_logprobs_entries(
+                        state, prompts[index], output.prompt_logprobs
+                    )
             texts[index] += output.new_text
             if request.logprobs is not None and output.new_logprobs:
                 offsets[index] = logprobs[index].add(
@@ -144,6 +173,9 @@ async def _complete(
         }
         for index in range(num_choices)
     ]
+    if request.prompt_logprobs is not None:
+        for choice, entries in zip(choices, prompt_entries, strict=True):
+            choice["prompt_logprobs"] = entries
     body = {
         "id": generation.request_id,
         "object": "text_completion",
@@ -159,7 +191,11 @@ async def _complete(
 
 
 async def _stream(
-    state: ServerState, request: CompletionRequest, generation: Generation, echoes: list[str]
+    state: ServerState,
+    request: CompletionRequest,
+    generation: Generation,
+    echoes: list[str],
+    prompts: list[list[int]],
 ) -> AsyncIterator[bytes]:
     include_usage, continuous_usage = request.usage_in_stream
     base = {
@@ -176,6 +212,7 @@ async def _stream(
         logprobs: Any = None,
         finish_reason: str | None = None,
         stop_reason: str | int | None = None,
+        prompt_logprobs: list[dict[str, Any] | None] | None = None,
     ) -> bytes:
         choice = {
             "index": index,
@@ -184,20 +221,36 @@ async def _stream(
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         payload: dict[str, Any] = {**base, "choices": [choice]}
         if include_usage:
             payload["usage"] = generation.usage() if continuous_usage else None
         return sse_event(payload)
 
+    # With logprobs (or prompt_logprobs) the echo waits for the prompt's logprobs, which come with the first output.
+    echo_waits = request.logprobs is not None or request.prompt_logprobs is not None
     try:
         for index, echo in enumerate(echoes):
-            if echo:
+            if echo and not echo_waits:
                 yield chunk(index, echo)
         async for index, output in generation.outputs():
             failure = engine_failure(output)
             if failure is not None:
                 yield sse_event(failure.body())
                 break
+            if output.prompt_logprobs is not None:
+                echo_logprobs = None
+                if request.echo and request.logprobs is not None:
+                    built = CompletionLogprobs()
+                    offsets[index] = built.add_prompt(
+                        state, prompts[index], output.prompt_logprobs, request.logprobs
+                    )
+                    echo_logprobs = built.as_dict()
+                entries = None
+                if request.prompt_logprobs is not None:
+                    entries = prompt_logprobs_entries(state, prompts[index], output.prompt_logprobs)
+                yield chunk(index, echoes[index], echo_logprobs, prompt_logprobs=entries)
             logprobs = None
             if request.logprobs is not None and output.new_logprobs:
                 built = CompletionLogprobs()

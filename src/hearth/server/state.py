@@ -11,6 +11,8 @@ from hearth.server.chat_template import ChatTemplate
 from hearth.server.errors import APIError
 from hearth.server.load import LoadTracker
 from hearth.server.metrics import ServerMetrics
+from hearth.server.reasoning_parsers import ReasoningParser
+from hearth.server.response_store import ResponseStore
 from hearth.server.tool_parsers import ToolParser
 
 if TYPE_CHECKING:
@@ -25,6 +27,7 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting_seqs: int = 256
     tool_parser: str | None = "hermes"
+    reasoning_parser: str | None = None
     chat_template_path: str | None = None
     aliases: tuple[str, ...] = ()  # other names accepted as `model` (e.g. the checkpoint path)
     role: str = "mixed"  # prefill/decode disaggregation role (docs/pd-protocol.md)
@@ -32,6 +35,10 @@ class ServerConfig:
     max_request_bytes: int = 16 * 1024 * 1024  # larger bodies get 413 before they are read
     body_read_timeout_s: float = 60.0  # a body not fully received by then gets 408
     allow_special_tokens_in_content: bool = False  # `<|im_start|>` in a message is text unless set
+    log_requests: bool = False  # --enable-log-requests: one log line per request
+    tokenizer_dir: str | None = None  # --tokenizer: where the chat template comes from (default: the model)
+    max_stored_responses: int = 4096  # `store: true` Responses kept for previous_response_id (per server)
+    stored_response_ttl_s: float = 3600.0
 
 
 @dataclass
@@ -44,6 +51,7 @@ class ServerState:
     chat_template: ChatTemplate | None = None
     chat_template_error: str | None = None
     tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None
     created_s: int = field(default_factory=lambda: int(time.time()))
     load_error: str | None = None
     prompts: PromptTokenizer | None = None  # set with the engine
@@ -51,6 +59,7 @@ class ServerState:
     live: set[Generation] = field(default_factory=set)
     _token_text_cache: dict[int, str] = field(default_factory=dict)
     kv_peers: Any = None  # hearth.server.pd.KVPeers on a prefill server
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     @property
     def ready(self) -> bool:

@@ -1,13 +1,14 @@
-"""Tool calls for one chat choice: the parser, plus what `tool_choice` asks for, over a streaming output.
+"""Tool calls for one choice: the parser, plus what `tool_choice` asks for, over a streaming output.
 
-The non-streaming path runs the same extractor on the whole text in one feed, so streamed and non-streamed
-answers carry the same content and calls.
+Calls stream as vLLM streams them: a call's first delta carries its index, id and name (and whatever arguments
+are known), the following ones only more argument text. The non-streaming path runs the same extractor on the
+whole text in one feed, so streamed and non-streamed answers carry the same content and calls.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hearth.server.tool_parsers import ParsedToolCall, ToolParser
 
@@ -17,13 +18,21 @@ def new_call_id() -> str:
 
 
 @dataclass
+class ToolCallDelta:
+    index: int
+    arguments: str  # more argument text
+    name: str | None = None  # with `id`, only on a call's first delta
+    id: str | None = None
+
+
+@dataclass
 class ExtractedDelta:
     content: str
-    tool_calls: list[ParsedToolCall]
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 class ToolCallExtractor:
-    """Feed text deltas, get content deltas and completed calls.
+    """Feed text deltas, get content deltas and call deltas; `calls` holds every call so far, with its id.
 
     `forced_prefix` is text the server put at the start of the answer (the model continues it), so it is
     parsed but never shown. With `forced_function` (a named `tool_choice`), an answer the parser cannot read
@@ -38,7 +47,8 @@ class ToolCallExtractor:
         self._prefix = forced_prefix
         self._text = forced_prefix
         self._sent_content_len = 0
-        self._sent_calls = 0
+        self._sent_arguments_len: list[int] = []
+        self.calls: list[ParsedToolCall] = []
         self.finished = False
 
     def feed(self, delta: str, final: bool = False) -> ExtractedDelta:
@@ -57,9 +67,19 @@ class ToolCallExtractor:
                 content = content[: self._sent_content_len]
         new_content = content[self._sent_content_len :]
         self._sent_content_len = max(self._sent_content_len, len(content))
-        new_calls = calls[self._sent_calls :]
-        self._sent_calls = len(calls)
-        return ExtractedDelta(new_content, new_calls)
+        deltas = []
+        for index, call in enumerate(calls):
+            if index == len(self.calls):
+                self.calls.append(ParsedToolCall(call.name, call.arguments, call.id or new_call_id()))
+                self._sent_arguments_len.append(len(call.arguments))
+                deltas.append(ToolCallDelta(index, call.arguments, call.name, self.calls[index].id))
+                continue
+            sent = self._sent_arguments_len[index]
+            if len(call.arguments) > sent:
+                deltas.append(ToolCallDelta(index, call.arguments[sent:]))
+                self._sent_arguments_len[index] = len(call.arguments)
+                self.calls[index].arguments = call.arguments
+        return ExtractedDelta(new_content, deltas)
 
     def _raw_forced_arguments(self) -> str:
         # The model wrote the arguments after the forced prefix; drop the closing brace/tag it added.
@@ -73,9 +93,9 @@ class ToolCallExtractor:
 
 
 def extract_all(extractor: ToolCallExtractor, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-    """The non-streaming answer: content (None when empty alongside calls) and the calls."""
+    """The non-streaming answer: content (None when empty alongside calls) and the calls, with their ids."""
     delta = extractor.feed(text, final=True)
     content: str | None = delta.content
-    if delta.tool_calls and not (content or "").strip():
+    if extractor.calls and not (content or "").strip():
         content = None
-    return content, delta.tool_calls
+    return content, extractor.calls

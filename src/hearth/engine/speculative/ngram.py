@@ -46,5 +46,6 @@ class NgramProposer(Proposer):
 
 
 @register_proposer("ngram", needs_model=False)
-def _build(**_context: object) -> NgramProposer:
-    return NgramProposer()
+def _build(**context: object) -> NgramProposer:
+    lookup = getattr(context.get("config"), "ngram_lookup", None)  # vLLM's prompt_lookup_min/max
+    return NgramProposer(*lookup) if lookup else NgramProposer()

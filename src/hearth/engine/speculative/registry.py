@@ -25,7 +25,7 @@ def register_proposer(
 
 def _load_builtin() -> None:
     # Imported here: each module registers itself; draft/eagle3 import torch and the model code.
-    from hearth.engine.speculative import draft, eagle3, ngram  # noqa: F401
+    from hearth.engine.speculative import draft, eagle3, ngram, suffix  # noqa: F401
 
 
 def check_speculative_options(method: str, model: str | None, num_tokens: int) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hearth.kv.tiers.blob_auth import BlobMAC
 from hearth.kv.tiers.page_format import PageFormatError, PageSpec, decode_page, encode_page
 from hearth.kv.tiers.stats import TierStats, TierStatsRecorder
 
@@ -89,7 +90,9 @@ class BlobStoreTier(KVTier):
     """A remote key-value store of encoded page blobs (`page_format`); subclasses move bytes only.
 
     Subclasses implement `_exists(names) -> list[bool]`, `_get(names) -> list[bytes | None]` and
-    `_put(pairs)`, raising `TierUnavailable` when the store cannot be reached.
+    `_put(pairs)`, raising `TierUnavailable` when the store cannot be reached. Every blob carries a MAC
+    under the deployment secret (`blob_auth`): `mac` must be set before use (`open_store` does), since
+    anyone who can reach the store can write to it.
     """
 
     local = False
@@ -98,6 +101,12 @@ class BlobStoreTier(KVTier):
         super().__init__(spec)
         self.prefix = prefix
         self._known = KnownKeys()
+        self.mac: BlobMAC | None = None
+
+    def _blob_mac(self) -> BlobMAC:
+        if self.mac is None:
+            raise TierUnavailable(f"{self.name}: no deployment secret to authenticate its blobs with")
+        return self.mac
 
     def object_name(self, key: bytes) -> str:
         return self.prefix + key.hex()
@@ -121,19 +130,23 @@ class BlobStoreTier(KVTier):
         return found
 
     def load(self, keys: Sequence[bytes]) -> list[Page]:
+        mac = self._blob_mac()
         pages: list[Page] = []
         for key, blob in zip(keys, self._get([self.object_name(k) for k in keys]), strict=True):
             if blob is None:
                 break
             try:
-                pages.append(decode_page(self.spec, key, blob))
+                pages.append(decode_page(self.spec, key, mac.open(key, blob)))
             except PageFormatError:
                 self.stats.add(invalid_pages=1)
                 break
         return pages
 
     def store(self, items: Sequence[tuple[bytes, Page]]) -> None:
-        self._put([(self.object_name(key), encode_page(self.spec, key, page)) for key, page in items])
+        mac = self._blob_mac()
+        self._put(
+            [(self.object_name(key), mac.seal(key, encode_page(self.spec, key, page))) for key, page in items]
+        )
         for key, _ in items:
             self._known.add(key)
 

@@ -4,7 +4,12 @@ Crash safety: a page is written to a temporary file in the same directory, then 
 name, so a file under a page's name is whole or absent after a process crash. After a power loss a
 renamed file's data may still be missing (no fsync, by default: it would cost a disk flush per page);
 the header's length and checksum catch that, and any file that fails them is deleted, never loaded.
-Leftover temporary files are removed at start.
+Leftover temporary files are removed at start, and a failed write removes its own at once.
+
+A full filesystem (ENOSPC: it is smaller than `--kv-disk-size`, or shared) lowers the tier's capacity to
+what it holds, evicts the least recent pages to make room and retries once. Failures are counted
+(`failed_writes`) and logged once per cause, then again only as their count doubles: a disk that keeps
+failing costs a few log lines, not a traceback per page.
 
 The index (key -> file size, LRU order) lives in memory, rebuilt at start from the directory (oldest
 modification first), so lookups cost no I/O. Two servers should not share one directory: each sees
@@ -13,6 +18,7 @@ the other's files only after a restart.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -21,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hearth.kv.tiers.base import KVTier, Page
+from hearth.kv.tiers.blob_auth import BlobMAC, local_key
 from hearth.kv.tiers.page_format import PageFormatError, PageSpec, decode_page, encode_page
 
 logger = logging.getLogger("hearth.kv.tiers")
@@ -33,16 +40,24 @@ class DiskTier(KVTier):
     name = "disk"
 
     def __init__(
-        self, spec: PageSpec, directory: str | Path, capacity_bytes: int, fsync: bool = False
+        self,
+        spec: PageSpec,
+        directory: str | Path,
+        capacity_bytes: int,
+        fsync: bool = False,
+        mac: BlobMAC | None = None,
     ) -> None:
         super().__init__(spec)
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self._failures: dict[str, int] = {}  # cause -> failed writes, for the log
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recent first
         self._used_bytes = 0
         self._lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
+        # Files are MAC'd (blob_auth): with the deployment secret, else with the directory's own key.
+        self.mac = mac if mac is not None else BlobMAC(local_key(self.directory))
         self._scan()
 
     def path(self, key: bytes) -> Path:
@@ -90,7 +105,7 @@ class DiskTier(KVTier):
                 self._index.move_to_end(key)
             try:
                 blob = self.path(key).read_bytes()
-                pages.append(decode_page(self.spec, key, blob))
+                pages.append(decode_page(self.spec, key, self.mac.open(key, blob)))
             except FileNotFoundError:
                 self._forget(key)
                 break
@@ -107,20 +122,66 @@ class DiskTier(KVTier):
                 if key in self._index:
                     self._index.move_to_end(key)
                     continue
-            blob = encode_page(self.spec, key, page)
-            path = self.path(key)
-            path.parent.mkdir(exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
-            with open(tmp, "wb") as file:
-                file.write(blob)
-                if self.fsync:
-                    file.flush()
-                    os.fsync(file.fileno())
-            os.replace(tmp, path)  # atomic: readers see the whole file or none
+            blob = self.mac.seal(key, encode_page(self.spec, key, page))
+            if not self._write(self.path(key), blob):
+                continue
             with self._lock:
                 self._index[key] = len(blob)
                 self._used_bytes += len(blob)
                 self._evict_over_capacity()
+
+    def _write(self, path: Path, blob: bytes) -> bool:
+        """`blob` under `path`, whole or not at all; False (counted, logged by cause) if it failed."""
+        for attempt in range(2):
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+            try:
+                path.parent.mkdir(exist_ok=True)
+                self._write_file(tmp, blob)
+                os.replace(tmp, path)  # atomic: readers see the whole file or none
+                return True
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)  # never leave a partial page behind
+                if exc.errno == errno.ENOSPC and attempt == 0 and self._make_room(len(blob)):
+                    continue
+                self.stats.add(failed_writes=1)
+                self._note_failure(errno.errorcode.get(exc.errno or 0, type(exc).__name__), exc)
+                return False
+        return False
+
+    def _write_file(self, tmp: Path, blob: bytes) -> None:
+        with open(tmp, "wb") as file:
+            file.write(blob)
+            if self.fsync:
+                file.flush()
+                os.fsync(file.fileno())
+
+    def _make_room(self, needed_bytes: int) -> bool:
+        """The filesystem is full: hold no more than now, minus room for a few pages. True if it evicted."""
+        with self._lock:
+            lowered = max(0, self._used_bytes - 4 * needed_bytes)
+            if not self._index or lowered >= self.capacity_bytes:
+                return False
+            logger.warning(
+                "disk tier %s: the filesystem is full; capacity lowered from %d to %d bytes",
+                self.directory,
+                self.capacity_bytes,
+                lowered,
+            )
+            self.capacity_bytes = lowered
+            self._evict_over_capacity()
+            return True
+
+    def _note_failure(self, cause: str, exc: OSError) -> None:
+        with self._lock:
+            count = self._failures[cause] = self._failures.get(cause, 0) + 1
+        if count & (count - 1) == 0:  # 1, 2, 4, 8, ...: one line per cause, then as its count doubles
+            logger.warning(
+                "disk tier %s: %d page write(s) failed with %s (%s); those pages are not kept",
+                self.directory,
+                count,
+                cause,
+                exc.strerror or exc,
+            )
 
     def _evict_over_capacity(self) -> None:
         while self._used_bytes > self.capacity_bytes and self._index:

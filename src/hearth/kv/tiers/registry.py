@@ -10,7 +10,8 @@ import importlib
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from hearth.kv.tiers.base import KVTier
+from hearth.kv.tiers.base import BlobStoreTier, KVTier
+from hearth.kv.tiers.blob_auth import BlobMAC
 from hearth.kv.tiers.disk import DiskTier
 from hearth.kv.tiers.host import HostTier
 from hearth.kv.tiers.page_format import PageSpec
@@ -40,7 +41,9 @@ def store_schemes() -> list[str]:
     return sorted({*_BUILTIN_STORES, *_STORES})
 
 
-def open_store(spec: PageSpec, url: str) -> KVTier:
+def open_store(spec: PageSpec, url: str, secret: bytes | None = None) -> KVTier:
+    """The cluster store `url` names. Its blobs carry MACs under `secret` (the deployment's), which it
+    needs: every server and client that can reach a shared store could otherwise write any page."""
     scheme = urlsplit(url).scheme
     factory = _STORES.get(scheme)
     if factory is None:
@@ -51,9 +54,18 @@ def open_store(spec: PageSpec, url: str) -> KVTier:
             )
         module_name, class_name = target.split(":")
         factory = getattr(importlib.import_module(module_name), class_name)
+    if not secret:
+        raise ValueError(
+            f"--kv-store {url}: a shared store needs the deployment secret to authenticate its pages: set "
+            "$HEARTH_KV_TRANSFER_SECRET_FILE or $HEARTH_KV_TRANSFER_SECRET (the same on every server that "
+            "shares the store)"
+        )
     if scheme == "valkey":
         url = "redis" + url.removeprefix("valkey")
-    return factory(spec, url)
+    tier = factory(spec, url)
+    if isinstance(tier, BlobStoreTier):
+        tier.mac = BlobMAC(secret)
+    return tier
 
 
 def build_tiers(
@@ -62,15 +74,18 @@ def build_tiers(
     disk_dir: str | None = None,
     disk_size_gib: float = 0.0,
     store_url: str | None = None,
+    secret: bytes | None = None,
 ) -> list[KVTier]:
-    """The tiers these options ask for, fastest first: host RAM, local disk, the cluster store."""
+    """The tiers these options ask for, fastest first: host RAM, local disk, the cluster store. `secret`
+    (the deployment's) keys the MACs of stored pages; a shared store needs it."""
     tiers: list[KVTier] = []
     if offload_memory_gib > 0:
         tiers.append(HostTier(spec, int(offload_memory_gib * GIB)))
     if disk_dir:
         if disk_size_gib <= 0:
             raise ValueError("--kv-disk-dir needs --kv-disk-size GiB > 0")
-        tiers.append(DiskTier(spec, disk_dir, int(disk_size_gib * GIB)))
+        mac = BlobMAC(secret) if secret else None
+        tiers.append(DiskTier(spec, disk_dir, int(disk_size_gib * GIB), mac=mac))
     if store_url:
-        tiers.append(open_store(spec, store_url))
+        tiers.append(open_store(spec, store_url, secret))
     return tiers

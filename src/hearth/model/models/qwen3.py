@@ -16,5 +16,5 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         return {
             **super().config_fields(raw, source),
             "qk_norm": True,
-            "sliding_window": qwen_sliding_window(raw, source),
+            **qwen_sliding_window(raw, source),
         }

@@ -28,7 +28,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
             "attention_bias": attention_bias,
             "attention_out_bias": attention_bias,
             "qk_norm": True,
-            "sliding_window": qwen_sliding_window(raw, source),
+            **qwen_sliding_window(raw, source),
             "moe": MoEConfig(
                 num_experts=num_experts,
                 top_k=int(raw.get("num_experts_per_tok") or 1),

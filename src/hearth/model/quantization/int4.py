@@ -85,27 +85,46 @@ class Int4LinearMethod(QuantizationMethod):
 
     def process_after_loading(self, layer: Linear) -> None:
         q, scales, zeros, g_idx = self.unpack(layer)
-        layer.int4 = make_int4_weights(q, scales, zeros, self.group_size, g_idx)
+        part_orders: dict[Any, torch.Tensor] = getattr(layer, "_g_idx_parts", {})
+        if g_idx is not None and len({tuple(order.tolist()) for order in part_orders.values()}) > 1:
+            # Act-order parts of a fused layer (q/k/v, gate/up quantized one by one) with different column
+            # orders: each part keeps its own packed order and activation permutation (kept unfused).
+            layer.int4_parts = [
+                make_int4_weights(
+                    q[shard.local_offset : shard.local_offset + shard.size],
+                    scales[shard.local_offset : shard.local_offset + shard.size],
+                    zeros[shard.local_offset : shard.local_offset + shard.size],
+                    self.group_size,
+                    part_orders[shard_id],
+                    checkpoint_format=True,
+                )
+                for shard_id, shard in layer.output_shards.items()
+            ]
+        else:
+            layer.int4 = make_int4_weights(q, scales, zeros, self.group_size, g_idx, checkpoint_format=True)
         for name in self.checkpoint_params():
             delattr(layer, name)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        parts: list[Int4Weights] | None = getattr(layer, "int4_parts", None)
+        if parts is not None:
+            out = torch.cat([int4_linear(x, weights, None) for weights in parts], dim=-1)
+            return out if bias is None else out + bias
         weights: Int4Weights = layer.int4
         return int4_linear(x, weights, bias)
 
 
 def load_g_idx(layer: Linear, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-    """One `g_idx` per layer: the parts of a fused layer (q/k/v, gate/up) share their input, so act-order
-    checkpoints give them one column order; a mismatch is refused rather than served wrong."""
+    """Each part's `g_idx` (its columns' groups: the act-order). The parts of a fused layer (q/k/v,
+    gate/up) share their input, and usually their order; where a checkpoint quantized them one by one
+    with different orders, `process_after_loading` keeps the parts apart (`int4_parts`)."""
     if tuple(loaded.shape) != tuple(param.shape):
         raise ModelLoadError(f"g_idx has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
-    seen = getattr(layer, "_g_idx_loaded", False)
-    if seen and not torch.equal(param.data, loaded.to(param.dtype)):
-        raise ModelLoadError(
-            "the parts of a fused layer have different g_idx (act-order) orders; not supported"
-        )
+    loaded = loaded.to(param.dtype)
     param.data.copy_(loaded)
-    layer._g_idx_loaded = True
+    if not hasattr(layer, "_g_idx_parts"):
+        layer._g_idx_parts = {}
+    layer._g_idx_parts[shard_id] = loaded.clone()
 
 
 def rtn_group_size(input_features: int) -> int:

@@ -65,6 +65,7 @@ _MODULES = (
     "hearth.model.quantization.awq",
     "hearth.model.quantization.compressed_tensors",
     "hearth.model.quantization.fp8_block",
+    "hearth.model.quantization.gguf",
 )
 
 

@@ -7,6 +7,9 @@
   one (`fp8-int4`: dequantized per block first); for a checkpoint that already is INT4 it is that
   checkpoint's method.
 - a method's own name: that method, configured by the checkpoint.
+
+A GGUF file with block-quantized weights is served by the `gguf` method (`auto` or `int4`); a GGUF of
+F32/F16/BF16 weights is a dense checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ _INT4_FORMATS = ("gptq", "awq", "compressed-tensors")
 
 
 def checkpoint_quant_config(model_dir: str | Path) -> dict[str, Any] | None:
+    from hearth.model.gguf_file import GGUFCheckpoint, is_gguf_path
+
+    if is_gguf_path(model_dir):
+        return {"quant_method": "gguf"} if GGUFCheckpoint(model_dir).is_quantized else None
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -46,6 +53,12 @@ def resolve_quantization(requested: str, model_dir: str | Path) -> tuple[str, di
         if requested == "int4":
             return "int4", None
         raise ModelLoadError(f"--quantization {requested}: {model_dir} is not a {requested} checkpoint")
+    if shipped == "gguf":
+        if requested in ("auto", "int4"):
+            return "gguf", config
+        raise ModelLoadError(
+            f"--quantization {requested}: {model_dir} holds GGUF block-quantized weights (use --quantization auto)"
+        )
     if shipped not in QUANTIZATION_CHOICES:
         raise ModelLoadError(f"{model_dir}: quantization_config quant_method {shipped!r} is not supported")
     if requested in ("auto", shipped) or (requested == "int4" and shipped in _INT4_FORMATS):

@@ -67,6 +67,44 @@ class AttentionMetadata:
         return len(self.seq_lens_host)
 
 
+@dataclass(frozen=True)
+class AttentionKind:
+    """What one layer's queries attend to, causally: the whole context (the default), the last
+    `sliding_window` positions (Mistral, Gemma 3's local layers, Qwen2's windowed layers), or the positions of
+    their own `chunk_size`-token chunk (chunked local attention, Llama 4's local layers)."""
+
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.sliding_window is None and self.chunk_size is None
+
+    def first_positions(self, context_lens: torch.Tensor) -> torch.Tensor:
+        """The first key position the last query of each row (at `context_len - 1`) attends to."""
+        if self.sliding_window is not None:
+            return (context_lens - self.sliding_window).clamp_(min=0)
+        if self.chunk_size is not None:
+            return torch.div(context_lens - 1, self.chunk_size, rounding_mode="floor") * self.chunk_size
+        return torch.zeros_like(context_lens)
+
+    def limits(self, context_len: int) -> bool:
+        """Whether some query of a row ending at `context_len` attends to less than its causal prefix."""
+        if self.sliding_window is not None:
+            return context_len > self.sliding_window
+        return self.chunk_size is not None and context_len > self.chunk_size
+
+    def restrict(self, mask: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """`mask` (causal) narrowed to this kind's keys."""
+        if self.sliding_window is not None:
+            return mask & (key_pos > query_pos - self.sliding_window)
+        if self.chunk_size is not None:
+            return mask & (
+                key_pos >= torch.div(query_pos, self.chunk_size, rounding_mode="floor") * self.chunk_size
+            )
+        return mask
+
+
 class AttentionBackend(ABC):
     """Paged attention for one worker's device.
 
@@ -78,11 +116,14 @@ class AttentionBackend(ABC):
       keys and values (`k`, `v` `[num_tokens, num_kv_heads, head_dim]`, already rotated) into the pool at
       `metadata.slot_mapping` — unless they are None, when the caller wrote them itself (a fused
       rotary + KV-write kernel) — then returns the attention output for `q` `[num_tokens, num_heads,
-      head_dim]`, same shape and dtype, each query attending causally to its row's context (and only
-      to the last `sliding_window` positions when that is set).
+      head_dim]`, same shape and dtype, each query attending causally to its row's context as the layer's
+      `AttentionKind` says (`layer_kinds[layer_index]`; without them every layer is
+      `AttentionKind(sliding_window)`).
     """
 
     name: ClassVar[str]
+    # Whether `decode_graph_metadata` exists: decode steps can be captured as CUDA graphs (hearth.engine.cuda_graphs).
+    supports_decode_graphs: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -94,6 +135,7 @@ class AttentionBackend(ABC):
         dtype: torch.dtype = torch.float32,
         kv_dtype: torch.dtype | None = None,
         sliding_window: int | None = None,
+        layer_kinds: tuple[AttentionKind, ...] | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.page_size = page_size
@@ -102,6 +144,13 @@ class AttentionBackend(ABC):
         self.dtype = dtype
         self.kv_dtype = kv_dtype if kv_dtype is not None else dtype
         self.sliding_window = sliding_window
+        # One kind per layer of this stage (indexed by the local layer index); None: all the default kind.
+        self.default_kind = AttentionKind(sliding_window=sliding_window)
+        kinds = tuple(layer_kinds) if layer_kinds else ()
+        self.layer_kinds: tuple[AttentionKind, ...] | None = kinds if len(set(kinds)) > 1 else None
+        if kinds and self.layer_kinds is None:
+            self.default_kind = kinds[0]
+            self.sliding_window = self.default_kind.sliding_window
         # Zero-filled, so columns no step has written yet still name a valid page.
         self.page_table_buffer = torch.zeros(
             max_num_seqs, max_pages_per_seq, dtype=torch.long, device=self.device
@@ -121,6 +170,14 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor: ...
+
+    def decode_graph_metadata(
+        self, num_rows: int, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+    ) -> AttentionMetadata:
+        """Metadata of an all-decode step of `num_rows` rows over static tensors that each replay refills
+        (and over `page_table_buffer[:num_rows]`): nothing in it may depend on one step's lengths, since a
+        captured graph keeps whatever the host decided at capture."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot be captured in a graph")
 
     def _common_metadata(self, step: AttentionStepInput) -> AttentionMetadata:
         """The cu_seqlens tensors and the page table, moved to the device in one transfer."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hearth.ops.attention.backend import AttentionMetadata, AttentionStepInput, PagedKVCache
+from hearth.ops.attention.backend import AttentionKind, AttentionMetadata, AttentionStepInput, PagedKVCache
 from hearth.ops.attention.torch_ref import TorchMetadata, TorchRefBackend
 from hearth.ops.cpu_kernels import (
     paged_decode_attention_bf16_kernel,
@@ -84,16 +84,16 @@ class CpuBackend(TorchRefBackend):
     def _uses_decode_kernel(self) -> bool:
         return self._kernel() is not None
 
-    def prepare(self, step_input: AttentionStepInput) -> TorchMetadata:
+    def _prepare_kind(self, step_input: AttentionStepInput, kind: AttentionKind) -> TorchMetadata:
         if step_input.num_decode_rows < len(step_input.seq_lens) and self.verify_rows_kernel:
-            md_rows = self._prepare_token_rows(step_input)
+            md_rows = self._prepare_token_rows(step_input, kind)
             if md_rows is not None:
                 return md_rows
-        md = super().prepare(step_input)
+        md = super()._prepare_kind(step_input, kind)
         md.decode_kernel = self._kernel() if md.decode_mask is None else None
         return md
 
-    def _prepare_token_rows(self, step: AttentionStepInput) -> CpuMetadata | None:
+    def _prepare_token_rows(self, step: AttentionStepInput, kind: AttentionKind) -> CpuMetadata | None:
         """Per-query decode metadata when every row is short (see the module docstring); None otherwise."""
         kernel = self._kernel()
         starts = step.query_start_loc
@@ -111,11 +111,7 @@ class CpuBackend(TorchRefBackend):
         table = md.page_table[:, :width].repeat_interleave(
             torch.tensor(query_lens, dtype=torch.long, device=self.device), dim=0, output_size=len(lens)
         )
-        firsts = (
-            (seq_lens - self.sliding_window).clamp_(min=0)
-            if self.sliding_window is not None
-            else torch.zeros_like(seq_lens)
-        )
+        firsts = kind.first_positions(seq_lens.clone())
         md.token_rows = TokenRows(table, seq_lens, firsts)
         return md
 
@@ -129,6 +125,8 @@ class CpuBackend(TorchRefBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if isinstance(metadata, TorchMetadata) and metadata.per_layer is not None:
+            metadata = metadata.per_layer[layer_index]
         rows = metadata.token_rows if isinstance(metadata, CpuMetadata) else None
         if rows is None:
             return super().forward(layer_index, q, k, v, kv_pool, metadata, scale)

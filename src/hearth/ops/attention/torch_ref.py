@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from hearth.ops.attention.backend import (
     AttentionBackend,
+    AttentionKind,
     AttentionMetadata,
     AttentionStepInput,
     PagedKVCache,
@@ -43,6 +44,8 @@ class TorchMetadata(AttentionMetadata):
     )
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_kernel: Callable[..., torch.Tensor] | None = None  # a compiled decode kernel a subclass picked
+    # Layers of different attention kinds: each layer's metadata (one per distinct kind, shared), by local index.
+    per_layer: list[TorchMetadata] | None = None
 
 
 class TorchRefBackend(AttentionBackend):
@@ -56,15 +59,23 @@ class TorchRefBackend(AttentionBackend):
         return False
 
     def prepare(self, step_input: AttentionStepInput) -> TorchMetadata:
+        if self.layer_kinds is None:
+            return self._prepare_kind(step_input, self.default_kind)
+        # Per-layer kinds (Gemma 3's sliding and full layers, Llama 4's chunked and NoPE-full ones): masks
+        # and first positions once per distinct kind, each layer pointed at its kind's.
+        variants = {kind: self._prepare_kind(step_input, kind) for kind in dict.fromkeys(self.layer_kinds)}
+        md = variants[self.layer_kinds[0]]
+        md.per_layer = [variants[kind] for kind in self.layer_kinds]
+        return md
+
+    def _prepare_kind(self, step_input: AttentionStepInput, kind: AttentionKind) -> TorchMetadata:
         common = self._common_metadata(step_input)
         md = TorchMetadata(**vars(common))
         n = md.num_decode_rows
         if n:
             lens = md.seq_lens[:n]
             md.decode_first_positions = (
-                (lens - self.sliding_window).clamp_(min=0)
-                if self.sliding_window is not None
-                else self._zero_positions[:n]
+                kind.first_positions(lens.clone()) if not kind.is_full else self._zero_positions[:n]
             )
             if not self._uses_decode_kernel():
                 # Key positions [first, context_len) of each row are attended; the rest is padding or out of the window.
@@ -78,13 +89,13 @@ class TorchRefBackend(AttentionBackend):
             end = md.seq_lens_host[row]
             start = end - query_len
             mask = None
-            window_bites = self.sliding_window is not None and end > self.sliding_window
+            window_bites = kind.limits(end)
             if start > 0 or window_bites:
                 query_pos = torch.arange(start, end, device=self.device)[:, None]
                 key_pos = torch.arange(end, device=self.device)[None, :]
                 mask = key_pos <= query_pos
                 if window_bites:
-                    mask &= key_pos > query_pos - self.sliding_window
+                    mask = kind.restrict(mask, query_pos, key_pos)
             page_ids = md.page_table[row, : -(-end // self.page_size)]
             md.prefills.append(PrefillChunk(query_start, query_len, page_ids, end, mask))
         return md
@@ -100,6 +111,8 @@ class TorchRefBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchMetadata)
+        if metadata.per_layer is not None:
+            metadata = metadata.per_layer[layer_index]
         if k is not None and v is not None:
             kv_pool.store(layer_index, metadata.slot_mapping, k, v)
         k_pool, v_pool = kv_pool.layer(layer_index)

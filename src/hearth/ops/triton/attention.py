@@ -223,6 +223,7 @@ def _decode_split_kernel(
     scale,
     sliding_window,
     keys_per_split,
+    num_splits,
     stride_q_tok,
     stride_q_head,
     stride_kv_slot,
@@ -247,8 +248,11 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     context_len = tl.load(seq_lens_ptr + row)
     first_pos = tl.where(sliding_window > 0, tl.maximum(context_len - sliding_window, 0), 0)
-    split_start = first_pos + split * keys_per_split
-    split_end = tl.minimum(split_start + keys_per_split, context_len)
+    # keys_per_split 0: each row cuts its own context (CUDA graphs: no host-side length baked into the launch)
+    row_split = (tl.cdiv(tl.cdiv(context_len - first_pos, num_splits), BLOCK_N) * BLOCK_N).to(tl.int32)
+    split_keys = tl.where(keys_per_split > 0, keys_per_split, row_split)
+    split_start = first_pos + split * split_keys
+    split_end = tl.minimum(split_start + split_keys, context_len)
 
     offs_g = tl.arange(0, GROUP_PADDED)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
@@ -354,22 +358,30 @@ def paged_decode(
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    per_row_splits: bool = False,
 ) -> torch.Tensor:
     """Decode attention (one query token per row, `q` `[rows, heads, head_dim]`), split-K over the context.
 
     `num_splits` defaults to enough splits of >= 256 keys to cover `max_seq_len` (at most 16), so a
-    batch of one long row still spreads over many programs.
+    batch of one long row still spreads over many programs. `per_row_splits`: each row cuts its own
+    context into `num_splits` parts on the device and `max_seq_len` is ignored, so the launch depends
+    on no step's lengths (what a captured CUDA graph needs).
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     out = torch.empty_like(q) if out is None else out
     if num_rows == 0:
         return out
-    attended = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
-    if num_splits is None:
-        num_splits = max(1, min(16, triton.cdiv(attended, 256)))
     block_n = 32
-    keys_per_split = triton.cdiv(triton.cdiv(attended, num_splits), block_n) * block_n
+    if per_row_splits:
+        if num_splits is None:
+            raise ValueError("per_row_splits needs num_splits")
+        keys_per_split = 0
+    else:
+        attended = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
+        if num_splits is None:
+            num_splits = max(1, min(16, triton.cdiv(attended, 256)))
+        keys_per_split = triton.cdiv(triton.cdiv(attended, num_splits), block_n) * block_n
     part_out = torch.empty(num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
@@ -387,6 +399,7 @@ def paged_decode(
         scale,
         sliding_window or 0,
         keys_per_split,
+        num_splits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

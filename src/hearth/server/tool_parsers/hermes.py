@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from hearth.server.tool_parsers.base import ParsedToolCall, TaggedToolParser, arguments_json
+from hearth.server.tool_parsers.base import ParsedToolCall, TaggedToolParser
+from hearth.server.tool_parsers.json_calls import json_call
 from hearth.server.tool_parsers.registry import register_tool_parser
 
 
@@ -14,15 +15,8 @@ class HermesToolParser(TaggedToolParser):
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
 
-    def parse_body(self, body: str) -> ParsedToolCall | None:
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        return ParsedToolCall(call["name"], arguments_json(arguments))
+    def parse_body(self, body: str, closed: bool) -> ParsedToolCall | None:
+        return json_call(body, closed)
 
     def __init__(self) -> None:
         self._opening = "<tool_call>\n"  # Qwen's spacing; templates that write calls without it override

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 from hearth.server.tool_parsers.base import ParsedToolCall, TaggedToolParser
@@ -20,14 +19,13 @@ class KimiK2ToolParser(TaggedToolParser):
     start_tag = "<|tool_call_begin|>"
     end_tag = "<|tool_call_end|>"
     ignored_markers = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+    inner_markers = (_ARGUMENT_BEGIN,)
 
-    def parse_body(self, body: str) -> ParsedToolCall | None:
+    def parse_body(self, body: str, closed: bool) -> ParsedToolCall | None:
         call_id, sep, arguments = body.partition(_ARGUMENT_BEGIN)
         match = _CALL_ID.match(call_id)
         if not sep or match is None:
             return None
-        try:
-            json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-        return ParsedToolCall(match["name"], arguments.strip(), id=call_id.strip())
+        return ParsedToolCall(
+            match["name"], arguments.strip() if closed else arguments.lstrip().rstrip(), id=call_id.strip()
+        )
