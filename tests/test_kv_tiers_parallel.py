@@ -23,6 +23,7 @@ def scenario(model: Path, name: str, layout: dict, *args: str) -> list[dict]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent / "src"), env.get("PYTHONPATH", "")])
     env["HEARTH_CPU_KERNELS"] = "0"  # one code path for every answer (tiers move bytes, not arithmetic)
+    env["HEARTH_KV_TRANSFER_SECRET"] = "tier-secret"  # every rank seals its shard's blobs with it
     done = subprocess.run(
         [sys.executable, str(SCRIPT), str(model), name, json.dumps(layout), *args],
         capture_output=True,

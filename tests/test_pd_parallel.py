@@ -24,6 +24,8 @@ import pytest
 from test_pd_e2e import CASES, Router, comparable, metric, post, serve, strip_ids, wait_for_zero_pages
 from tiny_models import make_tiny_model
 
+from hearth.kv_transfer.auth import sign_instruction
+
 SECRET = "pd-parallel-secret"
 TP2 = ["--tensor-parallel-size", "2", "--dtype", "float32"]
 TP1 = ["--dtype", "float32"]
@@ -70,6 +72,47 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
         os.environ.pop("HEARTH_CPU_KERNELS", None)
 
 
+def new_transfer_id() -> str:
+    return f"{random.getrandbits(128):032x}"  # as the router makes them
+
+
+def pd_pair(
+    prefill_url: str, decode_url: str, body: dict[str, Any], timeout_s: float = 120
+) -> tuple[httpx.Response, httpx.Response]:
+    """One request through a prefill and a decode server, sent by hand as the router would (its signed
+    instructions: the servers follow no other)."""
+    transfer_id = new_transfer_id()
+    secret = SECRET.encode()
+    prefill_body = {
+        **body,
+        "max_tokens": 1,
+        "kv_transfer": {
+            "role": "prefill",
+            "transfer_id": transfer_id,
+            "decode_url": decode_url,
+            **sign_instruction(secret, "prefill", transfer_id, decode_url),
+        },
+    }
+    decode_body = {
+        **body,
+        "kv_transfer": {
+            "role": "decode",
+            "transfer_id": transfer_id,
+            "prefill_url": prefill_url,
+            **sign_instruction(secret, "decode", transfer_id, prefill_url),
+        },
+    }
+
+    async def both() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            return await asyncio.gather(
+                client.post(prefill_url + "/v1/completions", json=prefill_body),
+                client.post(decode_url + "/v1/completions", json=decode_body),
+            )
+
+    return asyncio.run(both())
+
+
 def no_failures(decode_url: str) -> None:
     assert metric(decode_url, "hearth_kv_transfer_failures_total") == 0
     assert metric(decode_url, "hearth_kv_recomputed_tokens_total") == 0
@@ -102,26 +145,8 @@ def test_different_tp_sizes_reassemble_the_heads(
     prefill_url, decode_url, mixed = deployment[prefill].url, deployment[decode].url, deployment["mixed"]
     body = {"prompt": f"Shards of the {prefill} prompt travel far " * 9, "max_tokens": 8, "temperature": 0}
     want = post(mixed.url, "/v1/completions", body)
-    transfer_id = f"{prefill}-{decode}-{random.getrandbits(64):x}"
     before = metric(decode_url, "hearth_kv_transfer_pages_total")
-    prefill_body = {
-        **body,
-        "max_tokens": 1,
-        "kv_transfer": {"role": "prefill", "transfer_id": transfer_id, "decode_url": decode_url},
-    }
-    decode_body = {
-        **body,
-        "kv_transfer": {"role": "decode", "transfer_id": transfer_id, "prefill_url": prefill_url},
-    }
-
-    async def both() -> tuple[httpx.Response, httpx.Response]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(
-                client.post(prefill_url + "/v1/completions", json=prefill_body),
-                client.post(decode_url + "/v1/completions", json=decode_body),
-            )
-
-    prefill_answer, decode_answer = asyncio.run(both())
+    prefill_answer, decode_answer = pd_pair(prefill_url, decode_url, body)
     assert prefill_answer.status_code == decode_answer.status_code == 200, decode_answer.text
     assert prefill_answer.json()["kv_transfer"]["status"] == "sent"
     assert decode_answer.json()["choices"][0]["text"] == want["choices"][0]["text"]
@@ -163,25 +188,7 @@ def mla_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
 
 def pd_complete(prefill_url: str, decode_url: str, body: dict[str, Any]) -> dict[str, Any]:
     """One request through a prefill and a decode server, sent by hand as the router would."""
-    transfer_id = f"t-{random.getrandbits(64):x}"
-    prefill_body = {
-        **body,
-        "max_tokens": 1,
-        "kv_transfer": {"role": "prefill", "transfer_id": transfer_id, "decode_url": decode_url},
-    }
-    decode_body = {
-        **body,
-        "kv_transfer": {"role": "decode", "transfer_id": transfer_id, "prefill_url": prefill_url},
-    }
-
-    async def both() -> tuple[httpx.Response, httpx.Response]:
-        async with httpx.AsyncClient(timeout=300) as client:
-            return await asyncio.gather(
-                client.post(prefill_url + "/v1/completions", json=prefill_body),
-                client.post(decode_url + "/v1/completions", json=decode_body),
-            )
-
-    prefill_answer, decode_answer = asyncio.run(both())
+    prefill_answer, decode_answer = pd_pair(prefill_url, decode_url, body, timeout_s=300)
     assert prefill_answer.status_code == decode_answer.status_code == 200, decode_answer.text
     assert prefill_answer.json()["kv_transfer"]["status"] == "sent"
     return decode_answer.json()
@@ -251,25 +258,7 @@ def test_different_pipeline_layouts_recompute_never_a_wrong_token(deployment: di
     )
     failures = metric(decode_url, "hearth_kv_transfer_failures_total")
     body = {"prompt": "Mismatched layouts are recomputed " * 8, "max_tokens": 8, "temperature": 0}
-    transfer_id = f"mismatch-{random.getrandbits(64):x}"
-    prefill_body = {
-        **body,
-        "max_tokens": 1,
-        "kv_transfer": {"role": "prefill", "transfer_id": transfer_id, "decode_url": decode_url},
-    }
-    decode_body = {
-        **body,
-        "kv_transfer": {"role": "decode", "transfer_id": transfer_id, "prefill_url": prefill_url},
-    }
-
-    async def both() -> tuple[httpx.Response, httpx.Response]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(
-                client.post(prefill_url + "/v1/completions", json=prefill_body),
-                client.post(decode_url + "/v1/completions", json=decode_body),
-            )
-
-    prefill_answer, decode_answer = asyncio.run(both())
+    prefill_answer, decode_answer = pd_pair(prefill_url, decode_url, body)
     assert prefill_answer.status_code == decode_answer.status_code == 200, decode_answer.text
     assert prefill_answer.json()["kv_transfer"]["status"] == "failed"
     assert (
