@@ -10,13 +10,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import make_tiny_model
 
+from hearth.engine.messages import EngineStats
 from hearth.server.metrics import ServerMetrics
 from hearth.server.process import ServerProcess
 
@@ -83,7 +83,7 @@ def _families(text: str) -> dict[str, object]:
 
 
 def test_vllm_names_mirror_hearths_with_vllms_labels() -> None:
-    stats = SimpleNamespace(
+    stats = EngineStats(
         num_running=2, num_waiting=1, kv_pages_used=3, kv_pages_total=12, kv_tokens_total=192,
         prefix_cache_queries_tokens=10, prefix_cache_hit_tokens=4, prompt_tokens_total=50, cached_tokens_total=4,
         generation_tokens_total=20, num_preemptions_total=5, kv_integrity_failures_total=0,

@@ -82,7 +82,10 @@ class Engine:
         if overlap is None:
             overlap = isinstance(worker, Worker) and worker.device.type != "cpu"
         overlap = overlap and isinstance(worker, Worker) and speculator is None and not kv_connectors
-        self.runner = StepRunner(worker.execute, overlap, worker.device if overlap else None)
+        # Through `self.worker` at call time: a wrapped or replaced `worker.execute` is what runs.
+        self.runner = StepRunner(
+            lambda step: self.worker.execute(step), overlap, worker.device if overlap else None
+        )
         self._in_flight: LaunchedStep | None = None  # overlap: the step on the worker, launched last step()
         self.num_overlapped_steps = 0
 
