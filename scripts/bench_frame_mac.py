@@ -19,7 +19,7 @@ import xxhash
 
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.kv_transfer.auth import FrameMAC
-from hearth.kv_transfer.connector import PoolPageSource
+from hearth.kv_transfer.pool_pages import PoolPageSource
 
 PAGES_PER_BATCH = 4  # 8 MiB batches, as the transport sends them
 
@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     pool = KVPool(KVLayout(32, 8, 128, 16, torch.bfloat16), 4 * args.pages)
     pool.storage.normal_()
-    source = PoolPageSource(pool, random.Random(0).sample(range(4 * args.pages), args.pages))
+    source = PoolPageSource(pool.io, random.Random(0).sample(range(4 * args.pages), args.pages))
     mac = FrameMAC(bytes(32))
 
     def gmac() -> None:

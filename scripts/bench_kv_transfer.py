@@ -18,7 +18,7 @@ Measured interleaved in every repeat (so a noisy machine hits all of them alike)
   buffer per batch on both sides, which this does not reproduce);
 - `memcpy`: one `Tensor.copy_` of the same number of bytes between two contiguous buffers (the ceiling);
 - `pool_copy`: the same pages gathered from one pool and scattered into another in one process, by the
-  code the transport uses on each side (`PoolPageSource.read_into` + `pool_sink`), with no wire at all.
+  code the transport uses on each side (`PoolPageSource.read_into` + `PoolSink`), with no wire at all.
 Each transfer's CPU time (sender and receiver process together) is reported too: on a busy machine it
 is steadier than the wall time, and it is what bounds the rate when the transfer is CPU-bound.
 """
@@ -37,10 +37,11 @@ import time
 
 import torch
 
+from hearth.kv.page_io import PageLayout
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.kv_transfer import make_transport
 from hearth.kv_transfer.base import ReceiveSpec, SendSpec
-from hearth.kv_transfer.connector import PoolPageSource, pool_sink, wire_layout
+from hearth.kv_transfer.pool_pages import PoolPageSource, PoolSink
 from hearth.kv_transfer.tcp import SOCKET_BUFFER_BYTES
 
 SECRET = b"bench"
@@ -68,7 +69,7 @@ def sender_main(args: argparse.Namespace, jobs: mp.Queue, done: mp.Queue) -> Non
     pool.storage.normal_()
     transports = {}
     for name, (buffer_bytes, zero_copy, _) in VARIANTS.items():
-        transport = make_transport("tcp", wire_layout(pool.layout), SECRET, 60.0, pool_sink(pool))
+        transport = make_transport("tcp", pool.io.layout, SECRET, 60.0, PoolSink(pool.io))
         transport.socket_buffer_bytes = buffer_bytes  # type: ignore[attr-defined]
         transport.zero_copy_send = zero_copy  # type: ignore[attr-defined]
         transports[name] = transport
@@ -77,7 +78,7 @@ def sender_main(args: argparse.Namespace, jobs: mp.Queue, done: mp.Queue) -> Non
         name, transfer_id, endpoint = job
         transport = transports[name]
         transport.send(
-            SendSpec(transfer_id, endpoint, PoolPageSource(pool, pages), args.pages * args.page_size, 0)
+            SendSpec(transfer_id, endpoint, PoolPageSource(pool.io, pages), args.pages * args.page_size, 0)
         )
         cpu_started = time.process_time()
         while not (events := transport.events()):
@@ -105,7 +106,7 @@ def main() -> None:
     source_pool.storage.normal_()
     receivers, endpoints = {}, {}
     for name, (buffer_bytes, _, direct) in VARIANTS.items():
-        receiver = make_transport("tcp", wire_layout(layout), SECRET, 60.0, pool_sink(receiver_pool))
+        receiver = make_transport("tcp", PageLayout.of(layout), SECRET, 60.0, PoolSink(receiver_pool.io))
         receiver.socket_buffer_bytes = buffer_bytes  # type: ignore[attr-defined]
         receiver.direct_receive = direct  # type: ignore[attr-defined]
         receivers[name], endpoints[name] = receiver, receiver.listen("127.0.0.1", 0)
@@ -114,9 +115,9 @@ def main() -> None:
     child = context.Process(target=sender_main, args=(args, jobs, done))
     child.start()
     pages = scattered_pages(args.pages, args.pages * 2, 2)
-    source = PoolPageSource(source_pool, scattered_pages(args.pages, args.pages * 2, 1))
-    sink = pool_sink(receiver_pool)
-    staging = torch.empty((args.pages, *wire_layout(layout).page_shape()), dtype=layout.kv_dtype)
+    source = PoolPageSource(source_pool.io, scattered_pages(args.pages, args.pages * 2, 1))
+    sink = PoolSink(receiver_pool.io)
+    staging = torch.empty((args.pages, *PageLayout.of(layout).page_shape()), dtype=layout.kv_dtype)
     total_bytes = args.pages * layout.bytes_per_page
     flat_src = torch.empty(total_bytes, dtype=torch.uint8).random_()
     flat_dst = torch.empty_like(flat_src)
@@ -152,7 +153,7 @@ def main() -> None:
         receiver.close()
     median = {name: statistics.median(values) for name, values in times.items()}
     result: dict[str, object] = {
-        "layout": wire_layout(layout).describe(),
+        "layout": PageLayout.of(layout).describe(),
         "pages": args.pages,
         "bytes": total_bytes,
         "repeats": args.repeats,

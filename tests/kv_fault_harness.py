@@ -88,6 +88,7 @@ class HashWorker(Worker):
         self._generators = {}
         self._last_sampled = []
         self.model = None  # type: ignore[assignment]
+        self.kv_worker = None  # KV stays in this pool
         self._slots = self.kv_pool.storage[0, 0, :, 0, 0]
         self._powers = torch.zeros(0, dtype=torch.long)
 

@@ -24,8 +24,7 @@ def small_pool(num_pages: int = 8) -> KVPool:
 
 
 def spec_of(pool: KVPool) -> PageSpec:
-    sample = pool.read_pages([0])
-    return PageSpec(pool.layout.describe(), sample.dtype, tuple(sample.shape))
+    return PageSpec(pool.layout.describe(), pool.io.layout)
 
 
 def fill_page(pool: KVPool, page_id: int, value: float) -> torch.Tensor:

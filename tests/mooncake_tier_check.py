@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from hearth.kv.page_io import PageLayout
 from hearth.kv.prefix_keys import page_keys, root_key
 from hearth.kv.tiers import PageSpec
 from hearth.kv.tiers.blob_auth import BlobMAC
@@ -17,7 +18,7 @@ from hearth.kv.tiers.mooncake_store import MooncakeTier
 
 
 def main(url_a: str, url_b: str) -> None:
-    spec = PageSpec("mha/float32/p4/h1x4/l2", torch.float32, (2, 2, 1, 4, 1, 4))
+    spec = PageSpec("mha/float32/p4/h1x4/l2", PageLayout(2, 1, 4, 4, "mha", "float32"))
     keys = page_keys(root_key("m", spec.layout_tag), list(range(16)), 4)
     a, b = MooncakeTier(spec, url_a), MooncakeTier(spec, url_b)
     a.mac = b.mac = BlobMAC(b"mooncake check")  # what open_store sets from the deployment secret
@@ -26,7 +27,7 @@ def main(url_a: str, url_b: str) -> None:
     assert b.lookup(keys) == 3, b.lookup(keys)
     loaded = b.load(keys)
     assert len(loaded) == 3 and all(torch.equal(x, y) for x, y in zip(loaded, pages)), loaded
-    other = PageSpec("mha/bfloat16/p4/h1x4/l2", torch.float32, spec.shape)
+    other = PageSpec("mha/bfloat16/p4/h1x4/l2", spec.layout)
     b.spec = other
     assert b.load(keys[:1]) == []  # a page of another layout is rejected by its header
     b.spec = spec

@@ -78,3 +78,16 @@ def test_page_tags_live_on_the_pool_and_start_unset():
     pool.set_page_tags([], [])
     assert pool.page_tags.tolist() == [0, 2, 0, 7, 0]
     assert pool.page_tags.device == pool.storage.device
+
+
+def test_an_fp8_latent_pool_stores_the_latent_quantized_with_its_scale():
+    from hearth.ops.fp8 import FP8_DTYPE, quantize_fp8
+
+    pool = KVPool(KVLayout(2, 1, 40, 4, FP8_DTYPE, "latent"), 4)
+    scales = torch.tensor([[0.02], [0.05]])
+    pool.set_scales(scales, scales)
+    latent = torch.randn(3, 1, 40)
+    pool.store(1, torch.tensor([5, 6, 7]), latent, None)
+    k, v = pool.layer(1)
+    assert k.data_ptr() == v.data_ptr()  # one tensor: read as keys and as values
+    assert torch.equal(k[5:8].view(torch.uint8), quantize_fp8(latent, scales[1]).view(torch.uint8))

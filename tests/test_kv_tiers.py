@@ -35,7 +35,7 @@ def test_blob_round_trips_and_rejects_wrong_layout_key_truncation_and_flipped_by
     data = torch.randn(spec.shape)
     blob = encode_page(spec, KEYS[0], data)
     assert torch.equal(decode_page(spec, KEYS[0], blob), data)
-    other_layout = PageSpec(spec.layout_tag + "x", spec.dtype, spec.shape)
+    other_layout = PageSpec(spec.layout_tag + "x", spec.layout)
     with pytest.raises(PageFormatError, match="layout"):
         decode_page(other_layout, KEYS[0], blob)
     with pytest.raises(PageFormatError, match="another key"):
@@ -57,7 +57,7 @@ def test_host_tier_is_lru_bounded_and_hands_back_what_it_pushes_out():
     spec = spec_of(small_pool())
     host = HostTier(spec, capacity_bytes=3 * spec.page_bytes)
     assert host.put([(KEYS[i], page(spec, i)) for i in range(3)]) == []
-    assert host.load([KEYS[0]])[0][0, 0, 0, 0, 0, 0] == 0  # touches key 0: key 1 is now the oldest
+    assert host.load([KEYS[0]])[0][0, 0, 0, 0, 0] == 0  # touches key 0: key 1 is now the oldest
     spilled = host.put([(KEYS[3], page(spec, 3))])
     assert [key for key, _ in spilled] == [KEYS[1]]
     assert host.lookup(KEYS[:4]) == 1 and host.lookup([KEYS[2], KEYS[3]]) == 2
@@ -123,7 +123,7 @@ def test_redis_tier_shares_pages_between_clients_and_fails_as_unavailable(redis_
     writer.store([(KEYS[i], page(spec, i)) for i in range(3)])
     assert reader.lookup(KEYS) == 3 and reader.knows(KEYS[0])
     assert [float(p.flatten()[0]) for p in reader.load(KEYS)] == [0.0, 1.0, 2.0]
-    other_layout = open_store(PageSpec("other", spec.dtype, spec.shape), redis_server.url, SECRET)
+    other_layout = open_store(PageSpec("other", spec.layout), redis_server.url, SECRET)
     assert other_layout.load(KEYS[:1]) == []  # same key, other layout: rejected by the header
     redis_server.stop()
     with pytest.raises(TierUnavailable):
@@ -189,7 +189,7 @@ def test_eviction_spills_to_host_then_disk_and_a_load_fills_the_pool(tmp_path: P
     spec = spec_of(pool)
     host = HostTier(spec, 2 * spec.page_bytes)
     disk = DiskTier(spec, tmp_path, 1 << 20)
-    stack = TierStack([host, disk], pool)
+    stack = TierStack([host, disk], pool.io)
     try:
         originals = [fill_page(pool, i, 10 + i) for i in range(3)]
         for i in range(3):
@@ -214,7 +214,7 @@ def test_a_cancelled_load_never_writes_the_pool():
     store = SlowTier(spec)
     store.pages[KEYS[0]] = page(spec, 7.0)
     store.release.clear()  # the load is in flight until released
-    stack = TierStack([store], pool)
+    stack = TierStack([store], pool.io)
     try:
         stack.start_load("r", KEYS[:1], [3])
         stack.cancel("r")
@@ -232,7 +232,7 @@ def test_a_load_that_times_out_is_answered_with_nothing():
     store = SlowTier(spec)
     store.pages[KEYS[0]] = page(spec, 7.0)
     store.release.clear()
-    stack = TierStack([store], pool, load_timeout_s=0.05)
+    stack = TierStack([store], pool.io, load_timeout_s=0.05)
     try:
         stack.start_load("r", KEYS[:1], [3])
         time.sleep(0.1)
@@ -248,7 +248,7 @@ def test_a_slow_store_drops_writes_instead_of_blocking_the_engine():
     pool = small_pool()
     spec = spec_of(pool)
     store = SlowTier(spec, delay_s=0.2)
-    stack = TierStack([store], pool, write_queue_bytes=16 * spec.page_bytes)  # a 16-page queue
+    stack = TierStack([store], pool.io, write_queue_bytes=16 * spec.page_bytes)  # a 16-page queue
     try:
         keys = page_keys(root_key("m", "slow"), list(range(4 * 100)), 4)
         started = time.perf_counter()
@@ -265,7 +265,7 @@ def test_a_store_that_goes_down_is_skipped_then_tried_again():
     pool = small_pool()
     spec = spec_of(pool)
     store = SlowTier(spec)
-    stack = TierStack([store], pool, retry_after_s=0.1)
+    stack = TierStack([store], pool.io, retry_after_s=0.1)
     try:
         store.fail = True
         assert stack.lookup(KEYS[:2]) == 0  # down: no error, nothing held

@@ -88,3 +88,23 @@ def test_disk_pages_are_maced_with_the_directory_key_across_restarts(tmp_path: P
     assert not again.path(KEYS[1]).exists()  # dropped
     with_secret = DiskTier(spec, tmp_path, 1 << 20, mac=BlobMAC(SECRET))  # another key: nothing verifies
     assert with_secret.load(KEYS[:1]) == []
+
+
+def test_a_ranks_shard_is_sealed_under_its_own_shard_key(redis_server) -> None:
+    """Under tensor parallelism each rank files its shard of a page under its shard key and seals it with
+    that key: rank 1's blob copied under rank 0's name (header key rewritten too) fails rank 0's MAC."""
+    from kv_tier_helpers import LAYOUT
+
+    from hearth.kv.page_io import PageLayout
+
+    shards = [PageLayout.of(LAYOUT, first_kv_head=rank, total_kv_heads=2) for rank in range(2)]
+    specs = [PageSpec("same-tag", layout) for layout in shards]  # only the key tells the ranks apart
+    ranks = [open_store(spec, redis_server.url, SECRET) for spec in specs]
+    keys = [layout.shard_key(KEYS[5]) for layout in shards]
+    assert keys[0] != keys[1]
+    ranks[1].store([(keys[1], page(specs[1], 9.0))])
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(ranks[0].object_name(keys[0]), rekeyed(client.get(ranks[1].object_name(keys[1])), keys[0]))
+    assert ranks[0].load([keys[0]]) == [] and ranks[0].snapshot().invalid_pages == 1
+    assert float(ranks[1].load([keys[1]])[0].flatten()[0]) == 9.0
+    client.close()

@@ -50,11 +50,11 @@ def engine(model: Path, num_pages: int, **tier_options) -> LLM:
 
 
 def tier_stats(llm: LLM) -> dict:
-    return {s.name: s for s in llm.engine.kv_loads.connectors["tier"].stack.stats()}
+    return {s.name: s for s in llm.engine.worker.kv_worker.tiers.stats()}
 
 
 def flush(llm: LLM) -> None:
-    assert llm.engine.kv_loads.connectors["tier"].stack.flush()
+    assert llm.engine.worker.kv_worker.tiers.flush()
 
 
 def test_prefix_evicted_from_a_small_device_pool_is_served_from_host(tiny_llama: Path):
@@ -147,7 +147,7 @@ def test_redis_dying_mid_run_means_recompute_and_writes_resume_when_it_is_back(
 ):
     monkeypatch.setenv("HEARTH_KV_TRANSFER_SECRET", "tier-secret")
     llm = engine(tiny_llama, num_pages=32, kv_store=redis_server.url)
-    stack = llm.engine.kv_loads.connectors["tier"].stack
+    stack = llm.engine.worker.kv_worker.tiers
     stack.retry_after_s = 0.2
     try:
         llm.generate([prompt(6, 70)], GREEDY)

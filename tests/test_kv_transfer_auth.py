@@ -26,7 +26,7 @@ from hearth.kv_transfer.auth import (
     sign_instruction,
 )
 from hearth.kv_transfer.base import KVTransport, ReceiveSpec, SendSpec, TransferEvent
-from hearth.kv_transfer.connector import PoolPageSource, pool_sink, wire_layout
+from hearth.kv_transfer.pool_pages import PoolPageSource, PoolSink
 
 SECRET = b"deployment-secret"
 HASH = 99
@@ -40,7 +40,7 @@ def make_pool(dtype: torch.dtype = torch.float32) -> KVPool:
 
 
 def transport(pool: KVPool, timeout_s: float = 5.0) -> KVTransport:
-    return make_transport("tcp", wire_layout(pool.layout), SECRET, timeout_s, pool_sink(pool))
+    return make_transport("tcp", pool.io.layout, SECRET, timeout_s, PoolSink(pool.io))
 
 
 def wait_events(t: KVTransport, count: int, timeout_s: float = 10.0) -> list[TransferEvent]:
@@ -155,7 +155,7 @@ def test_a_relayed_handshake_does_not_let_the_relay_send_its_own_pages(receiver_
             _relay_frame(real, victim, False)  # Challenge
             _relay_frame(victim, real, False)  # Auth
             _relay_frame(real, victim, True)  # Want, tagged by the real decode server
-            layout = wire_layout(sender_pool.layout)
+            layout = sender_pool.io.layout
             forged = torch.full(layout.page_shape(), 666.0).numpy().tobytes()
             header = msgspec.msgpack.encode(tcp.Batch(TID, 0, 1, "float32"))
             real.sendall(tcp._LENGTH.pack(len(header)) + header + os.urandom(16) + forged)
@@ -171,7 +171,7 @@ def test_a_relayed_handshake_does_not_let_the_relay_send_its_own_pages(receiver_
         receiver.open_receive(ReceiveSpec(TID, 0, [3], 3, HASH))
         sender.send(
             SendSpec(
-                TID, f"tcp://127.0.0.1:{fake.getsockname()[1]}", PoolPageSource(sender_pool, [1]), 4, HASH
+                TID, f"tcp://127.0.0.1:{fake.getsockname()[1]}", PoolPageSource(sender_pool.io, [1]), 4, HASH
             )
         )
         (received,) = wait_events(receiver, 1)
@@ -220,7 +220,7 @@ def test_a_hello_flood_keeps_nothing_logs_little_and_fails_no_transfer(caplog) -
         records = [r for r in caplog.records if r.name == "hearth.kv_transfer"]
         assert 1 <= len(records) <= 2  # one warning per cause per interval, with its count
         assert all("forged" not in r.getMessage() for r in records)
-        sender.send(SendSpec(TID, endpoint, PoolPageSource(sender_pool, [5]), 4, HASH))
+        sender.send(SendSpec(TID, endpoint, PoolPageSource(sender_pool.io, [5]), 4, HASH))
         assert wait_events(receiver, 1)[0].ok
         assert torch.equal(receiver_pool.read_pages([1]), sender_pool.read_pages([5]))
     finally:

@@ -50,13 +50,11 @@ def pair():
     from test_kv_transfer_tcp import make_pool
 
     from hearth.kv_transfer import make_transport
-    from hearth.kv_transfer.connector import pool_sink, wire_layout
+    from hearth.kv_transfer.pool_pages import PoolSink
 
     sender_pool, receiver_pool = make_pool(), make_pool(torch.bfloat16)
-    sender = make_transport("mooncake", wire_layout(sender_pool.layout), b"k", 10.0, pool_sink(sender_pool))
-    receiver = make_transport(
-        "mooncake", wire_layout(receiver_pool.layout), b"k", 10.0, pool_sink(receiver_pool)
-    )
+    sender = make_transport("mooncake", sender_pool.io.layout, b"k", 10.0, PoolSink(sender_pool.io))
+    receiver = make_transport("mooncake", receiver_pool.io.layout, b"k", 10.0, PoolSink(receiver_pool.io))
     endpoint = receiver.listen("127.0.0.1", 0)
     yield sender_pool, receiver_pool, sender, receiver, endpoint
     sender.close()
@@ -68,13 +66,13 @@ def test_inner_pages_arrive_through_mooncake(pair) -> None:
     from test_kv_transfer_tcp import HASH, tid, wait_events
 
     from hearth.kv_transfer.base import ReceiveSpec, SendSpec
-    from hearth.kv_transfer.connector import PoolPageSource
+    from hearth.kv_transfer.pool_pages import PoolPageSource
 
     sender_pool, receiver_pool, sender, receiver, endpoint = pair
     sender.batch_bytes = 1  # one page per batch: several one-sided writes at offsets
     sender_pool.storage.normal_()
     receiver.open_receive(ReceiveSpec(tid("m1"), 1, [11, 5, 6], 16, HASH))
-    sender.send(SendSpec(tid("m1"), endpoint, PoolPageSource(sender_pool, [3, 7, 1, 9]), 16, HASH))
+    sender.send(SendSpec(tid("m1"), endpoint, PoolPageSource(sender_pool.io, [3, 7, 1, 9]), 16, HASH))
     (sent,) = wait_events(sender, 1)
     (received,) = wait_events(receiver, 1)
     assert sent.ok and received.ok, (sent, received)
@@ -111,7 +109,7 @@ def test_inner_bytes_written_into_staging_by_anyone_else_fail_the_tag(pair, monk
 
     from hearth.kv_transfer import mooncake
     from hearth.kv_transfer.base import ReceiveSpec, SendSpec
-    from hearth.kv_transfer.connector import PoolPageSource
+    from hearth.kv_transfer.pool_pages import PoolPageSource
 
     sender_pool, receiver_pool, sender, receiver, endpoint = pair
     sender_pool.storage.normal_()
@@ -124,7 +122,40 @@ def test_inner_bytes_written_into_staging_by_anyone_else_fail_the_tag(pair, monk
 
     monkeypatch.setattr(mooncake.MooncakeTransport, "_recv_payload", overwritten)
     receiver.open_receive(ReceiveSpec(tid("m2"), 0, [2, 3], 7, HASH))
-    sender.send(SendSpec(tid("m2"), endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH))
+    sender.send(SendSpec(tid("m2"), endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH))
     (received,) = wait_events(receiver, 1)
     assert not received.ok and "MAC" in received.detail
     assert receiver_pool.read_pages([2, 3]).abs().sum() == 0 and receiver.counters.pages_received == 0
+
+
+@pytest.mark.skipif(not INSIDE, reason="runs inside the private network namespace")
+def test_inner_one_rank_shard_of_heads_arrives_through_mooncake() -> None:
+    """A TP=1 prefill sends a TP=2 decode rank the heads it holds: the part's layout sizes the receiver's
+    staging buffer and the one-sided writes."""
+    from test_kv_transfer_tcp import HASH, make_pool, tid, wait_events
+
+    from hearth.kv.page_io import PageLayout
+    from hearth.kv.pool import KVLayout, KVPool
+    from hearth.kv_transfer import make_transport
+    from hearth.kv_transfer.base import ReceiveSpec, SendSpec
+    from hearth.kv_transfer.pool_pages import PoolSink, TensorPageSource
+
+    sender_pool = make_pool()
+    sender_pool.storage.normal_()
+    rank_layout = KVLayout(3, 1, 8, 4, torch.float32)
+    part = PageLayout.of(rank_layout, first_layer=0, total_layers=3, first_kv_head=1, total_kv_heads=2)
+    receiver_pool = KVPool(rank_layout, 8, page_layout=part)
+    sender = make_transport("mooncake", sender_pool.io.layout, b"k", 10.0, PoolSink(sender_pool.io))
+    receiver = make_transport("mooncake", part, b"k", 10.0, PoolSink(receiver_pool.io))
+    try:
+        endpoint = receiver.listen("127.0.0.1", 0)
+        heads = sender_pool.io.read([2, 4, 6])[:, :, :, :, 1:2].contiguous()
+        receiver.open_receive(ReceiveSpec(tid("part"), 0, [7, 0, 3], 11, HASH))
+        sender.send(SendSpec(tid("part"), endpoint, TensorPageSource(heads, None), 12, HASH, layout=part))
+        (sent,) = wait_events(sender, 1)
+        (received,) = wait_events(receiver, 1)
+        assert sent.ok and received.ok, (sent, received)
+        assert torch.equal(receiver_pool.io.read([7, 0, 3]), heads)
+    finally:
+        sender.close()
+        receiver.close()

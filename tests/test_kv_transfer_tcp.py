@@ -12,7 +12,7 @@ import torch
 from hearth.kv.pool import KVLayout, KVPool
 from hearth.kv_transfer import make_transport
 from hearth.kv_transfer.base import KVTransport, ReceiveSpec, SendSpec, TransferEvent
-from hearth.kv_transfer.connector import PoolPageSource, pool_sink, wire_layout
+from hearth.kv_transfer.pool_pages import PoolPageSource, PoolSink
 
 SECRET = b"s3cret"
 HASH = 1234
@@ -32,7 +32,7 @@ def make_pool(dtype: torch.dtype = torch.float32, num_pages: int = 16, heads: in
 
 
 def transport(pool: KVPool, secret: bytes = SECRET, timeout_s: float = 5.0) -> KVTransport:
-    return make_transport("tcp", wire_layout(pool.layout), secret, timeout_s, pool_sink(pool))
+    return make_transport("tcp", pool.io.layout, secret, timeout_s, PoolSink(pool.io))
 
 
 def wait_events(t: KVTransport, count: int, timeout_s: float = 10.0) -> list[TransferEvent]:
@@ -61,7 +61,7 @@ def test_pages_arrive_converted_and_only_the_wanted_ones(pair) -> None:
     source_pages = [3, 7, 1, 9, 4]  # the prefill request's pages 0..4
     # The decode side already holds request pages 0 and 1 (its own prefix cache): it wants 2..4.
     receiver.open_receive(ReceiveSpec(tid("t1"), 2, [11, 5, 6], 5 * 4 - 1, HASH))
-    sender.send(SendSpec(tid("t1"), endpoint, PoolPageSource(sender_pool, source_pages), 5 * 4, HASH))
+    sender.send(SendSpec(tid("t1"), endpoint, PoolPageSource(sender_pool.io, source_pages), 5 * 4, HASH))
     (sent,) = wait_events(sender, 1)
     (received,) = wait_events(receiver, 1)
     assert sent.ok and received.ok and sent.num_pages == 3 and received.num_pages == 3
@@ -77,7 +77,7 @@ def test_many_batches_stream_on_one_connection(pair) -> None:
     sender.batch_bytes = 1  # one page per batch
     sender_pool.storage.normal_()
     receiver.open_receive(ReceiveSpec(tid("t2"), 0, list(range(8)), 30, HASH))
-    sender.send(SendSpec(tid("t2"), endpoint, PoolPageSource(sender_pool, list(range(8, 16))), 32, HASH))
+    sender.send(SendSpec(tid("t2"), endpoint, PoolPageSource(sender_pool.io, list(range(8, 16))), 32, HASH))
     assert wait_events(receiver, 1)[0].ok
     assert torch.equal(
         receiver_pool.read_pages(list(range(8))), sender_pool.read_pages(list(range(8, 16))).bfloat16()
@@ -97,12 +97,12 @@ def test_wrong_secret_is_refused_and_leaves_the_transfer_to_its_real_sender() ->
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec(tid("t3"), 0, [0, 1], 5, HASH))
-        stranger.send(SendSpec(tid("t3"), endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH))
+        stranger.send(SendSpec(tid("t3"), endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH))
         (refused,) = wait_events(stranger, 1)
         assert not refused.ok and "secret" in refused.detail
         time.sleep(0.2)
         assert receiver.events() == [] and receiver.counters.handshakes_refused == 1
-        sender.send(SendSpec(tid("t3"), endpoint, PoolPageSource(sender_pool, [2, 3]), 8, HASH))
+        sender.send(SendSpec(tid("t3"), endpoint, PoolPageSource(sender_pool.io, [2, 3]), 8, HASH))
         (received,) = wait_events(receiver, 1)
         assert received.ok and receiver.counters.pages_received == 2
         assert torch.equal(receiver_pool.read_pages([0, 1]), sender_pool.read_pages([2, 3]))
@@ -117,7 +117,7 @@ def test_layout_mismatch_is_a_clear_error_on_both_sides() -> None:
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec(tid("t4"), 0, [0], 3, HASH))
-        sender.send(SendSpec(tid("t4"), endpoint, PoolPageSource(sender_pool, [0]), 4, HASH))
+        sender.send(SendSpec(tid("t4"), endpoint, PoolPageSource(sender_pool.io, [0]), 4, HASH))
         (sent,) = wait_events(sender, 1)
         (received,) = wait_events(receiver, 1)
         for event in (sent, received):
@@ -130,17 +130,19 @@ def test_layout_mismatch_is_a_clear_error_on_both_sides() -> None:
 def test_another_prompt_or_too_few_tokens_fail_the_load(pair) -> None:
     sender_pool, _, sender, receiver, endpoint = pair
     receiver.open_receive(ReceiveSpec(tid("t5"), 0, [0, 1], 7, HASH))
-    sender.send(SendSpec(tid("t5"), endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH + 1))
+    sender.send(SendSpec(tid("t5"), endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH + 1))
     assert not wait_events(receiver, 1)[0].ok
     receiver.open_receive(ReceiveSpec(tid("t6"), 0, [0, 1], 7, HASH))
-    sender.send(SendSpec(tid("t6"), endpoint, PoolPageSource(sender_pool, []), 0, HASH))  # an aborted prefill
+    sender.send(
+        SendSpec(tid("t6"), endpoint, PoolPageSource(sender_pool.io, []), 0, HASH)
+    )  # an aborted prefill
     assert "holds 0 tokens" in wait_events(receiver, 1)[0].detail
 
 
 def test_a_closed_transfer_tells_a_late_sender_nothing_is_wanted(pair) -> None:
     sender_pool, _, sender, receiver, endpoint = pair
     receiver.close_receive(tid("t7"))
-    sender.send(SendSpec(tid("t7"), endpoint, PoolPageSource(sender_pool, [0]), 4, HASH))
+    sender.send(SendSpec(tid("t7"), endpoint, PoolPageSource(sender_pool.io, [0]), 4, HASH))
     (sent,) = wait_events(sender, 1)
     assert sent.ok and sent.detail == "nothing wanted" and receiver.events() == []
 
@@ -149,7 +151,7 @@ class GatedSource:
     """A prefill's pages whose read waits for the test: the transfer is paused mid-flight."""
 
     def __init__(self, pool: KVPool, page_ids: list[int]) -> None:
-        self.inner = PoolPageSource(pool, page_ids)
+        self.inner = PoolPageSource(pool.io, page_ids)
         self.reading = threading.Event()
         self.go = threading.Event()
 
@@ -225,7 +227,7 @@ def handshake(endpoint: str, transfer_id: str, layout, num_tokens: int):  # type
 def test_prefill_death_mid_transfer_fails_the_load(pair) -> None:
     sender_pool, _, _, receiver, endpoint = pair
     receiver.open_receive(ReceiveSpec(tid("t8"), 0, [0, 1], 7, HASH))
-    sock, _, _ = handshake(endpoint, tid("t8"), wire_layout(sender_pool.layout), 8)
+    sock, _, _ = handshake(endpoint, tid("t8"), sender_pool.io.layout, 8)
     with sock:
         sock.sendall(b"\x00\x00")  # half a frame, then the process is gone
     (received,) = wait_events(receiver, 1)
@@ -244,7 +246,7 @@ def test_a_page_changed_after_its_tag_was_made_fails_the_transfer(pair, receiver
     endpoint = receiver.listen("127.0.0.1", 0)
     try:
         receiver.open_receive(ReceiveSpec(tid("t9"), 0, [2], 3, HASH))
-        layout = wire_layout(sender_pool.layout)
+        layout = sender_pool.io.layout
         raw = bytearray(torch.ones(layout.page_shape()).numpy().tobytes())
         sock, frames_out, _ = handshake(endpoint, tid("t9"), layout, 4)
         with sock:
@@ -280,7 +282,7 @@ def test_bf16_pages_become_fp8_with_the_receivers_own_scales() -> None:
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec(tid("f1"), 0, [4, 2, 9], 11, HASH))
-        sender.send(SendSpec(tid("f1"), endpoint, PoolPageSource(sender_pool, [1, 3, 5]), 12, HASH))
+        sender.send(SendSpec(tid("f1"), endpoint, PoolPageSource(sender_pool.io, [1, 3, 5]), 12, HASH))
         assert wait_events(receiver, 1)[0].ok and wait_events(sender, 1)[0].ok
         scales = (receiver_pool.k_scales, receiver_pool.v_scales)
         expected = convert_pages(sender_pool.read_pages([1, 3, 5]), torch.float8_e4m3fn, None, scales)
@@ -304,7 +306,7 @@ def test_fp8_pages_with_other_scales_are_rescaled_with_the_senders_scales() -> N
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec(tid("f2"), 0, [0, 1], 7, HASH))
-        sender.send(SendSpec(tid("f2"), endpoint, PoolPageSource(sender_pool, [6, 7]), 8, HASH))
+        sender.send(SendSpec(tid("f2"), endpoint, PoolPageSource(sender_pool.io, [6, 7]), 8, HASH))
         assert wait_events(receiver, 1)[0].ok
         expected = convert_pages(
             sender_pool.read_pages([6, 7]),
@@ -328,7 +330,7 @@ def test_fp8_pages_into_a_bf16_pool_are_dequantized() -> None:
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec(tid("f3"), 0, [3], 3, HASH))
-        sender.send(SendSpec(tid("f3"), endpoint, PoolPageSource(sender_pool, [2]), 4, HASH))
+        sender.send(SendSpec(tid("f3"), endpoint, PoolPageSource(sender_pool.io, [2]), 4, HASH))
         assert wait_events(receiver, 1)[0].ok
         scales = torch.stack((sender_pool.k_scales, sender_pool.v_scales), 1)[:, :, None, None, :, None]
         expected = (sender_pool.read_pages([2]).float() * scales).to(torch.bfloat16)
@@ -350,7 +352,7 @@ def test_both_send_paths_deliver_the_same_bytes(zero_copy: bool) -> None:
         endpoint = receiver.listen("127.0.0.1", 0)
         source_pages = [15, 0, 7, 3, 8, 2, 11]
         receiver.open_receive(ReceiveSpec(tid("z"), 0, [1, 4, 6, 9, 10, 12, 14], 27, HASH))
-        sender.send(SendSpec(tid("z"), endpoint, PoolPageSource(sender_pool, source_pages), 28, HASH))
+        sender.send(SendSpec(tid("z"), endpoint, PoolPageSource(sender_pool.io, source_pages), 28, HASH))
         assert wait_events(receiver, 1)[0].ok and wait_events(sender, 1)[0].ok
         assert torch.equal(
             receiver_pool.read_pages([1, 4, 6, 9, 10, 12, 14]), sender_pool.read_pages(source_pages)
@@ -383,7 +385,7 @@ def test_closing_while_bytes_land_straight_in_the_pool_stops_them(monkeypatch: p
     try:
         endpoint = receiver.listen("127.0.0.1", 0)
         receiver.open_receive(ReceiveSpec(tid("mid"), 0, [5, 6], 7, HASH))
-        sender.send(SendSpec(tid("mid"), endpoint, PoolPageSource(sender_pool, [0, 1]), 8, HASH))
+        sender.send(SendSpec(tid("mid"), endpoint, PoolPageSource(sender_pool.io, [0, 1]), 8, HASH))
         assert midway.wait(10)
         deadline = time.monotonic() + 10
         while tid("mid") not in receiver._writing:  # type: ignore[attr-defined]  # in recvmsg_into now

@@ -2,6 +2,8 @@
 
 - `hearth.contracts.step`: `StepInput` (rank 0 -> every worker: per-step deltas against the workers'
   persistent batch) and `StepOutput` (the sampling rank -> rank 0: tokens, integrity failures, drafts).
+- `hearth.contracts.kv_ops`: the KV operations rank 0 hands every rank's connector half (`KVOps`) and the
+  events they report back (`KVEvent`).
 - `hearth.contracts.sampling`: `SamplerParams`, the part of a request's sampling parameters a worker needs.
 
 Nothing here imports torch or any other Hearth layer: every layer may import this one.

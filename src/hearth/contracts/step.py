@@ -24,7 +24,6 @@ so its size grows with the batch by a few bytes a row, not with prompts, histori
    `prompt_logprob_starts[i] ..` (`prompt_logprob_counts[i]` of them), each position's logits against the
    request's next prompt token, with the top alternatives its `SamplerParams.prompt_logprobs` asks for.
 
-Room is left for the KV connectors' worker halves: `kv_ops` (in) and `kv_events` (out) go here.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from hearth.contracts.kv_ops import KVEvent, KVOps
 from hearth.contracts.sampling import SamplerParams
 
 
@@ -76,6 +76,8 @@ class StepInput(msgspec.Struct, omit_defaults=True):
     prompt_logprob_rows: list[int] = []
     prompt_logprob_starts: list[int] = []
     prompt_logprob_counts: list[int] = []
+    # The step's KV operations for every rank's half of the connectors (hearth.contracts.kv_ops).
+    kv_ops: KVOps = msgspec.field(default_factory=KVOps)
 
     @property
     def num_rows(self) -> int:
@@ -121,3 +123,5 @@ class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Per scored prompt position of the step's kept `prompt_logprob_rows`, in order (rows that failed the
     # integrity check have none); None when the step scored none.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # What the ranks' KV connector halves finished (hearth.contracts.kv_ops), every rank's, on rank 0.
+    kv_events: list[KVEvent] = []

@@ -12,9 +12,11 @@ from itertools import count
 
 import torch
 
+from hearth.contracts.kv_ops import KVOps
 from hearth.engine import prompt_logprobs
 from hearth.engine.config import EngineConfig
-from hearth.engine.kv_connector import KVConnector, KVLoadCoordinator
+from hearth.engine.kv_connector import KVConnector, KVLoadCoordinator, KVOpQueue
+from hearth.engine.kv_connectors.tiers import TierConnector
 from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR, KVIntegrityPolicy
 from hearth.engine.messages import CoreOutput, EngineRequest, EngineStats
 from hearth.engine.outputs import FinishReason, TokenLogprob
@@ -25,7 +27,6 @@ from hearth.engine.scheduler import ScheduledRequest, Scheduler
 from hearth.engine.speculative import Speculator
 from hearth.engine.step_input import StepInputBuilder
 from hearth.engine.structured_output import GrammarMatcher, StructuredOutputManager
-from hearth.engine.tier_connector import TierConnector
 from hearth.engine.worker import StepOutput, Worker
 from hearth.kv.integrity import PageTagMismatch
 from hearth.kv.manager import KVCacheManager
@@ -52,6 +53,7 @@ class Engine:
         num_kv_tokens: int,
         kv_connectors: list[KVConnector] | None = None,
         speculator: Speculator | None = None,
+        kv_ops: KVOpQueue | None = None,
     ) -> None:
         self.config = config
         self.model_config = model_config
@@ -61,7 +63,7 @@ class Engine:
         self.worker = worker
         self.step_inputs = StepInputBuilder(config.page_size, check_page_tags=config.kv_integrity)
         self.integrity = KVIntegrityPolicy(scheduler, config.kv_integrity_action)  # type: ignore[arg-type]
-        self.kv_loads = KVLoadCoordinator(scheduler, kv_connectors or [], config.page_size)
+        self.kv_loads = KVLoadCoordinator(scheduler, kv_connectors or [], config.page_size, kv_ops)
         self.structured = structured
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -103,7 +105,8 @@ class Engine:
     @property
     def has_work(self) -> bool:
         in_flight = self._in_flight is not None
-        return self.scheduler.has_work or bool(self._deferred) or self.kv_loads.busy or in_flight
+        kv_busy = self.kv_loads.busy or self.kv_loads.has_ops
+        return self.scheduler.has_work or bool(self._deferred) or kv_busy or in_flight
 
     @property
     def has_runnable_work(self) -> bool:
@@ -123,9 +126,26 @@ class Engine:
         """KV comes from (and goes to) elsewhere: tiers or peers work in the background."""
         return bool(self.kv_loads.connectors)
 
+    def flush_kv_ops(self) -> None:
+        """Hand the KV ops decided since the last step (write-backs, spills) to the ranks now."""
+        if self.kv_loads.ops:
+            self._run_kv_ops(self.kv_loads.take_ops())
+
+    def _run_kv_ops(self, kv_ops: KVOps | None) -> None:
+        """A step with no rows: the ranks' KV halves move pages and report."""
+        if kv_ops is not None:
+            step = self.step_inputs.build([], self.structured)
+            step.kv_ops = kv_ops
+            # Through the runner: in order with any step it runs on its thread.
+            self.kv_loads.on_events(self.runner.launch([], step).result().kv_events)
+
     def close(self) -> None:
         """Stop the KV connectors' threads (queued tier writes get a moment to finish)."""
+        self.flush_kv_ops()
         self.kv_loads.close()
+        kv_worker = getattr(self.worker, "kv_worker", None)  # rank 0's half; other ranks close theirs at exit
+        if kv_worker is not None:
+            kv_worker.close()
         self.runner.close()
 
     # ---- requests -------------------------------------------------------------------------------
@@ -189,6 +209,7 @@ class Engine:
             return sent
         self._in_flight = self._launch_continuation(step.batch) if self.runner.overlaps else None
         step_output = step.result()
+        self.kv_loads.on_events(step_output.kv_events)
         if step.prompt_chunks:
             skipped = {mismatch.row for mismatch in step_output.kv_mismatches}
             prompt_logprobs.collect(step.prompt_chunks, step_output.prompt_logprobs, skipped)
@@ -202,9 +223,13 @@ class Engine:
         self._totals["preempted"] += len(scheduled.preempted)
         self.step_inputs.pages_allocated(*self.kv.take_allocated())  # the pool's tags, from the allocator
         self.kv_loads.start(scheduled.kv_loads)
+        kv_ops = self.kv_loads.take_ops() if self.kv_loads.connectors else None
         if not scheduled.scheduled:
+            self._run_kv_ops(kv_ops)  # the ranks' KV halves still move pages and report
             return None
         step_input = self.step_inputs.build(scheduled.scheduled, self.structured)
+        if kv_ops is not None:
+            step_input.kv_ops = kv_ops  # overlap is off with KV connectors: this step runs serially
         # Prompt logprobs ride on the step's own forward: the rows are added before it launches.
         prompt_chunks = (
             prompt_logprobs.plan(step_input, scheduled.scheduled) if self._prompt_logprobs else None

@@ -11,10 +11,11 @@ import time
 
 import torch
 
+from hearth.contracts.kv_ops import KVOps, PeerListen
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
 from hearth.engine.kv_budget import resolve_kv_cache_bytes
-from hearth.engine.kv_connector import KVConnector
+from hearth.engine.kv_connector import KVConnector, KVOpQueue
 from hearth.engine.scheduler import Scheduler
 from hearth.engine.speculative import Speculator, build_proposer
 from hearth.engine.structured_output import StructuredOutputManager
@@ -124,20 +125,25 @@ def build_engine(config: EngineConfig) -> Engine:
     # Pages computed under one parallel layout never serve another (DESIGN "Prefix keys").
     kv_layout_tag = f"{layout.describe()}/{parallel.state_of(0).layout_tag}"
     kv_connectors: list[KVConnector] = []
+    kv_ops = KVOpQueue()
+    world_size = parallel.world_size
+    rank0_kv = worker.kv_worker  # rank 0's worker half, in this process
     if config.kv_tiers_enabled and config.enable_prefix_caching:
-        if parallel.is_parallel:
-            raise ModelLoadError(
-                "KV tiers (--kv-offload-memory, --kv-disk-dir, --kv-store) with tensor or pipeline "
-                "parallelism are not built yet: the pool lives in the rank processes"
-            )
-        kv_connectors.append(_tier_connector(config, kv, worker.kv_pool, kv_layout_tag))
+        from hearth.engine.kv_connectors.tiers import TierConnector
+
+        assert rank0_kv is not None and rank0_kv.tiers is not None
+        tiers = TierConnector(
+            kv_ops, config.page_size, world_size, rank0_kv.tier_lookup, rank0_kv.tiers.stats
+        )
+        kv.on_evict = tiers.on_evict
+        kv.lookup = tiers.lookup
+        kv_connectors.append(tiers)
     peer = None
     if config.role != "mixed":
-        if parallel.is_parallel:
-            raise ModelLoadError("--role prefill/decode with tensor or pipeline parallelism is not built yet")
-        from hearth.kv_transfer.roles import peer_connector
+        from hearth.engine.kv_connectors.peer import PeerKVConnector
 
-        peer = peer_connector(config, kv, worker.kv_pool)
+        assert rank0_kv is not None
+        peer = PeerKVConnector(kv_ops, kv, config.kv_transfer_timeout_s, world_size, rank0_kv.wakeup_fd)
         kv_connectors.append(peer)
     engine = Engine(
         config=config,
@@ -155,9 +161,10 @@ def build_engine(config: EngineConfig) -> Engine:
             config, model_config, worker, dtype, num_pages, max_model_len, sample_vocab, eos_token_ids
         ),
         kv_connectors=kv_connectors,
+        kv_ops=kv_ops,
     )
     if peer is not None and config.role == "decode":
-        engine.kv_transfer_endpoint = peer.transport.listen(config.kv_transfer_host, config.kv_transfer_port)
+        engine.kv_transfer_endpoint = listen_on_every_rank(engine, config, parallel)
         logger.info(
             "decode role: KV transfer (%s) listening on %s", config.kv_transfer, engine.kv_transfer_endpoint
         )
@@ -217,29 +224,21 @@ def build_speculator(
     return Speculator(proposer, config.num_speculative_tokens, max_batch_size)
 
 
-def _tier_connector(config: EngineConfig, kv: KVCacheManager, pool: KVPool, layout_tag: str) -> KVConnector:
-    """The KV tiers below the device (host RAM, disk, cluster store), hooked into the KV manager."""
-    from hearth.engine.tier_connector import TierConnector
-    from hearth.kv.tiers import PageSpec, TierStack, build_tiers
+def listen_on_every_rank(engine: Engine, config: EngineConfig, parallel: ParallelConfig) -> str:
+    """Decode role: every rank's transport listens (one step carries the op; each rank answers with its
+    endpoint); prefill servers get them comma-separated, in rank order, with the parallel layout."""
+    from hearth.engine.kv_worker import PeerRanks
 
-    sample = pool.read_pages([0])  # pages move as the pool's raw storage, whatever its dtype
-    spec = PageSpec(layout_tag, sample.dtype, tuple(sample.shape))
-    from hearth.kv_transfer.auth import SECRET_ENV, SECRET_FILE_ENV, read_secret
-
-    secret = read_secret(SECRET_ENV, SECRET_FILE_ENV)  # keys the MACs of stored pages (kv/tiers/blob_auth.py)
-    tiers = build_tiers(
-        spec,
-        config.kv_offload_memory_gib,
-        config.kv_disk_dir,
-        config.kv_disk_size_gib,
-        config.kv_store,
-        secret.encode() if secret else None,
-    )
-    stack = TierStack(tiers, pool)
-    kv.on_evict = stack.on_evict
-    kv.lookup = stack.lookup
-    logger.info("KV tiers below the device: %s", ", ".join(tier.name for tier in tiers))
-    return TierConnector(stack, config.page_size)
+    step = engine.step_inputs.build([])
+    step.kv_ops = KVOps([PeerListen(config.kv_transfer_host, config.kv_transfer_port)], report=True)
+    events = engine.worker.execute(step).kv_events
+    endpoints = {event.rank: event.detail for event in events if event.kind == "listening"}
+    world_size = parallel.world_size
+    if sorted(endpoints) != list(range(world_size)):
+        raise ModelLoadError(f"KV transfer: only ranks {sorted(endpoints)} of {world_size} are listening")
+    return PeerRanks(
+        [endpoints[rank] for rank in range(world_size)], parallel.tp_size, parallel.pp_size
+    ).describe()
 
 
 def resolve_max_model_len(model_config: ModelConfig, requested: int | None, num_kv_tokens: int) -> int:

@@ -70,7 +70,9 @@ def calibrate_kv_amax(
     num_tokens = len(token_ids)
     page_size = layout.page_size
     num_pages = -(-num_tokens // page_size)
-    float_layout = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, page_size, torch.float32)
+    float_layout = KVLayout(
+        layout.num_layers, layout.num_kv_heads, layout.head_dim, page_size, torch.float32, layout.kind
+    )
     pool = KVPool(float_layout, num_pages, device)
     backend = TorchRefBackend(
         device=device, page_size=page_size, max_num_seqs=1, max_pages_per_seq=num_pages, dtype=torch.float32
@@ -91,9 +93,10 @@ def calibrate_kv_amax(
     positions = torch.arange(num_tokens, device=device)
     ctx = AttentionContext(backend, backend.prepare(step), pool)
     model(ids, positions, ctx, torch.tensor([num_tokens - 1], device=device))
-    written = pool.storage[:, :, :num_tokens]  # [layers, 2, tokens, kv_heads, head_dim]
-    amax = written.abs().amax(dim=(2, 4))  # [layers, 2, kv_heads]
-    return amax[:, 0].float().cpu(), amax[:, 1].float().cpu()
+    written = pool.storage[:, :, :num_tokens]  # [layers, planes, tokens, kv_heads, head_dim]
+    amax = written.abs().amax(dim=(2, 4))  # [layers, planes, kv_heads]
+    # A latent pool's one plane is read as keys and as values: one scale serves both.
+    return amax[:, 0].float().cpu(), amax[:, -1].float().cpu()
 
 
 def calibration_token_ids(model_dir: str | Path, max_tokens: int) -> list[int]:

@@ -16,6 +16,10 @@ Connector contract:
   freed and reused).
 - `request_finished(request)` runs when a request ends, before its pages are freed: a place for a
   tier's write-back or a PD prefill server's send (the pages' KV is intact during the call).
+Connectors are scheduler halves: they decide, and put what must move into the shared `KVOpQueue`; the step
+carries those ops to every rank's worker half (`hearth.engine.kv_worker`), whose events come back in the
+step's output and are handed to every connector (`on_events`; rank 0 merges the ranks'). `in_flight` says
+a connector waits for events (the steps then ask every rank to report).
 Optional hooks (PD): `request_added(request)` returns how many leading tokens a peer promised (the
 scheduler's `kv_pending_tokens`); a connector still sending a finished request's KV says so in
 `is_sending` and reports the outcome once in `poll_sent`, and the engine holds that request's last
@@ -28,10 +32,60 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hearth.contracts.kv_ops import KVEvent, KVOp, KVOps
 from hearth.engine.request import Request
 from hearth.engine.scheduler import KVLoad, Scheduler
 
 KVSource = Literal["tier", "peer"]
+
+
+class KVOpQueue:
+    """The ops the scheduler halves decided since the last step, in the order they decided them (a page
+    spilled before it is reloaded into, a load cancelled before its pages are reused)."""
+
+    def __init__(self) -> None:
+        self._ops: list[KVOp] = []
+
+    def add(self, op: KVOp) -> None:
+        self._ops.append(op)
+
+    def __bool__(self) -> bool:
+        return bool(self._ops)
+
+    def take(self) -> list[KVOp]:
+        ops, self._ops = self._ops, []
+        return ops
+
+
+class RankEvents:
+    """Rank 0's merge of the ranks' answers to one op: done when every rank answered."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._answers: dict[str, dict[int, KVEvent]] = {}
+
+    def expect(self, key: str) -> None:
+        self._answers[key] = {}
+
+    def forget(self, key: str) -> None:
+        self._answers.pop(key, None)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._answers
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    def add(self, key: str, event: KVEvent) -> list[KVEvent] | None:
+        """Every rank's event once the last one is in (then the key is forgotten), else None."""
+        answers = self._answers.get(key)
+        if answers is None:
+            return None
+        answers[event.rank] = event
+        if len(answers) < self.world_size:
+            return None
+        del self._answers[key]
+        return [answers[rank] for rank in sorted(answers)]
 
 
 @dataclass
@@ -74,6 +128,14 @@ class KVConnector(ABC):
     @abstractmethod
     def cancel(self, request_id: str) -> None: ...
 
+    def on_events(self, events: list[KVEvent]) -> None:  # noqa: B027 - optional hook
+        """The ranks' events of the last step (every connector sees all of them)."""
+
+    @property
+    def in_flight(self) -> bool:
+        """Waiting for events from the workers."""
+        return False
+
     def request_finished(self, request: Request) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -112,8 +174,15 @@ class _Pending:
 class KVLoadCoordinator:
     """Runs the connectors for the engine: start loads, collect answers, make requests runnable."""
 
-    def __init__(self, scheduler: Scheduler, connectors: list[KVConnector], page_size: int) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        connectors: list[KVConnector],
+        page_size: int,
+        ops: KVOpQueue | None = None,
+    ) -> None:
         self.scheduler = scheduler
+        self.ops = ops if ops is not None else KVOpQueue()
         self.page_size = page_size
         self.connectors: dict[KVSource, KVConnector] = {}
         for connector in connectors:
@@ -125,6 +194,22 @@ class KVLoadCoordinator:
     @property
     def num_pending(self) -> int:
         return len(self._pending)
+
+    def take_ops(self) -> KVOps | None:
+        """The ops for the next step's workers, or None when there is nothing to do or to hear about."""
+        report = any(c.in_flight for c in self.connectors.values())
+        if not self.ops and not report:
+            return None
+        return KVOps(self.ops.take(), report)
+
+    @property
+    def has_ops(self) -> bool:
+        return bool(self.ops) or any(c.in_flight for c in self.connectors.values())
+
+    def on_events(self, events: list[KVEvent]) -> None:
+        if events:
+            for connector in self.connectors.values():
+                connector.on_events(events)
 
     def start(self, loads: list[KVLoad]) -> None:
         for load in loads:

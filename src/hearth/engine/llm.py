@@ -102,6 +102,7 @@ class LLM:
                     entry.logprobs.extend(output.new_logprobs)
                 if output.finished:
                     finished[output.request_id] = entry.result(output.request_id, output)
+        self.engine.flush_kv_ops()  # the last requests' write-backs go to the ranks now, not with a later step
         return [finished[request_id] for request_id in collected]
 
     def _abort(self, request_ids: list[str], reason: str) -> None:

@@ -29,7 +29,9 @@ class Request:
     arrival_index: int
     max_model_len: int
     grammar: GrammarMatcher | None = None  # set when the answer is constrained (structured output)
-    kv_transfer: KVTransferParams | None = None  # its part in a PD transfer (hearth.kv_transfer.connector)
+    kv_transfer: KVTransferParams | None = (
+        None  # its part in a PD transfer (hearth.engine.kv_connectors.peer)
+    )
 
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the KV cache holds
     output_token_ids: list[int] = field(default_factory=list)

@@ -26,6 +26,7 @@ from hearth.engine.config import EngineConfig
 from hearth.engine.cuda_graphs import DEFAULT_MAX_CAPTURE_ROWS, DecodeGraphs, wants_decode_graphs
 from hearth.engine.forward_batch import ForwardBatch, StepSamplingRow
 from hearth.engine.fp8_kv_scales import init_fp8_kv_scales
+from hearth.engine.kv_worker import build_kv_worker, rank_page_layout
 from hearth.engine.persistent_batch import FlatBatch, PersistentBatch
 from hearth.engine.ranks.microbatch import forward_micro_batches, resolve_micro_batches
 from hearth.engine.ranks.pipeline import stage_layers
@@ -128,11 +129,14 @@ class Worker:
 
             head = Eagle3Config.from_dir(config.speculative_model, model_config.num_layers)
             self.model.aux_hidden_layers = head.aux_layer_ids
-        layout = dataclasses.replace(layout, num_layers=len(stage))
+        full_layout, layout = layout, dataclasses.replace(layout, num_layers=len(stage))
         backend_cls = select_backend(self.device)
-        # [i31] Decode CUDA graphs: their padding rows use one scratch page past the cache manager's.
+        # [i31] Decode CUDA graphs: their padding rows use one scratch page past the cache manager's (the
+        # KV connectors never address it: their page ids come from the manager).
         graphs = wants_decode_graphs(config.enforce_eager, self.device, backend_cls, parallel)
-        self.kv_pool = KVPool(layout, num_pages + int(graphs), self.device)
+        self.kv_pool = KVPool(
+            layout, num_pages + int(graphs), self.device, rank_page_layout(layout, model_config, stage)
+        )
         if self.kv_pool.quantized:
             # Sharded: the pool holds this stage's layers and this rank's KV heads, and so do its scales.
             sharded = parallel.pp_size > 1 or parallel.tp_size > 1
@@ -163,6 +167,14 @@ class Worker:
         self._generators: dict[str, torch.Generator] = {}
         # Called with each step after the model's forward (an EAGLE-3 proposer takes the step's aux hidden states).
         self.after_forward: Callable[[ForwardBatch], None] | None = None
+        # This rank's half of the KV connectors (tiers, PD transfer); None when KV stays in this pool.
+        self.kv_worker = build_kv_worker(
+            config,
+            self.kv_pool.io,
+            f"{full_layout.describe()}/{parallel.layout_tag}",
+            parallel.global_rank(parallel.pp_rank, parallel.tp_rank),
+            parallel.pp_size * parallel.tp_size,
+        )
         torch.manual_seed(config.seed)
         self.decode_graphs: DecodeGraphs | None = None  # [i31]
         self._last_sampled: list[list[int]] = []  # [i31] the previous step's tokens, for overlap scheduling
@@ -182,8 +194,15 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        if self.kv_worker is not None:  # before the forward: pages saved, loads started or landed
+            self.kv_worker.apply(step.kv_ops)
         output = self._execute(step)
-        self._last_sampled = output.sampled_token_ids  # [i31] overlap: the next step may continue its rows
+        if step.slots:  # a step of KV ops alone samples nothing an overlapped step could continue
+            self._last_sampled = (
+                output.sampled_token_ids
+            )  # [i31] overlap: the next step may continue its rows
+        if self.kv_worker is not None:
+            output.kv_events = self.kv_worker.report(step.kv_ops)
         return output
 
     def _execute(self, step: StepInput) -> StepOutput:

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from hearth.kv.dtypes import KVCacheDtypeError, check_kv_cache_dtype
+from hearth.kv.page_io import PageIO, PageLayout, paged_view
 from hearth.ops.attention.backend import as_copyable, write_kv
 from hearth.ops.fp8 import FP8_DTYPE, is_fp8, quantize_fp8
 
@@ -98,7 +99,13 @@ class KVPool:
     Allocated with `torch.empty`, so on CPU the operating system commits memory only as pages are written.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device: torch.device | str = "cpu",
+        page_layout: PageLayout | None = None,
+    ) -> None:
         self.layout = layout
         self.num_pages = num_pages
         self.page_size = layout.page_size
@@ -112,6 +119,9 @@ class KVPool:
         self._layer_scales: list[tuple[torch.Tensor, torch.Tensor]] = []
         value_plane = 1 if layout.num_planes == 2 else 0
         self._layers = [(self.storage[i, 0], self.storage[i, value_plane]) for i in range(layout.num_layers)]
+        # Every read and write of whole pages (transfers, tiers) goes through here; `page_layout` places a
+        # rank's shard in the model's KV (layers of its stage, its KV heads).
+        self.io = PageIO(self, page_layout)
 
     @property
     def quantized(self) -> bool:
@@ -128,6 +138,8 @@ class KVPool:
                 raise ValueError(f"{name} has shape {tuple(scales.shape)}, this pool takes {shape}")
             if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
                 raise ValueError(f"{name} must be finite and > 0")
+        if self.layout.kind == "latent" and not torch.equal(k_scales, v_scales):
+            raise ValueError("a latent pool is read as keys and as values: its K and V scales must be equal")
         self.k_scales = k_scales.to(self.device, torch.float32).contiguous()
         self.v_scales = v_scales.to(self.device, torch.float32).contiguous()
         self._layer_scales = [(self.k_scales[i], self.v_scales[i]) for i in range(shape[0])]
@@ -143,24 +155,18 @@ class KVPool:
     def store(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """k, v `[num_tokens, num_kv_heads, head_dim]` into the slots `slot_mapping` (long, on the pool's device)."""
         k_pool, v_pool = self._layers[layer]
-        if v is None:  # a latent layout: one tensor
-            k_pool.index_copy_(0, slot_mapping, k.to(k_pool.dtype))
-            return
         scales = self.kv_scales(layer)
+        if v is None:  # a latent layout: one tensor (FP8: its K scales, which its V scales equal)
+            if scales is not None:
+                k = quantize_fp8(k, scales[0])
+            as_copyable(k_pool).index_copy_(0, slot_mapping, as_copyable(k.to(k_pool.dtype)))
+            return
         if scales is not None:
             k, v = quantize_fp8(k, scales[0]), quantize_fp8(v, scales[1])
         write_kv(k_pool, v_pool, slot_mapping, k, v)
 
     def _paged(self) -> torch.Tensor:
-        layout = self.layout
-        return self.storage.view(
-            layout.num_layers,
-            layout.num_planes,
-            self.num_pages,
-            layout.page_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
+        return paged_view(self.storage, self.layout, self.num_pages)
 
     def read_pages(self, page_ids: list[int] | torch.Tensor) -> torch.Tensor:
         index = torch.as_tensor(page_ids, dtype=torch.long).to(self.device)

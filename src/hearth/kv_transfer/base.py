@@ -26,59 +26,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-import msgspec
 import torch
 import xxhash
 
+from hearth.kv.page_io import DTYPES, PageLayout, Scales, dtype_name
 
-class WireLayout(msgspec.Struct, frozen=True):
-    """What a page holds, as both ends compare it at the handshake (the dtype may differ: converted)."""
+__all__ = ["WIRE_DTYPES", "KVTransport", "PageSink", "PageSource", "Scales", "WireLayout", "dtype_name"]
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    kind: str
-    dtype: str
-
-    def mismatch(self, other: WireLayout) -> str | None:
-        """Why pages of `other` cannot be written into pages of this layout, or None."""
-        mine = (self.kind, self.num_layers, self.num_kv_heads, self.head_dim, self.page_size)
-        theirs = (other.kind, other.num_layers, other.num_kv_heads, other.head_dim, other.page_size)
-        if mine == theirs:
-            return None
-        return (
-            "KV layout mismatch between prefill and decode servers: "
-            f"this side {self.describe()}, the peer {other.describe()} "
-            "(kind, layers, KV heads, head dim and page size must match; only the dtype may differ)"
-        )
-
-    def describe(self) -> str:
-        return f"{self.kind}/{self.dtype}/p{self.page_size}/h{self.num_kv_heads}x{self.head_dim}/l{self.num_layers}"
-
-    def page_shape(self) -> tuple[int, int, int, int, int]:
-        """One page on the wire: every layer's K and V, `[num_layers, 2, page_size, heads, head_dim]`."""
-        return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
-
-    def page_bytes(self, dtype: torch.dtype) -> int:
-        numel = 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
-        return numel * torch.empty((), dtype=dtype).element_size()
-
-
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,  # with the sender's per (layer, KV head) scales (Auth.scales)
-}
-
-# (K, V) per (layer, KV head) scales of an FP8 pool, float32 `[num_layers, num_kv_heads]`: stored value x
-# scale = real value. None for pools that store real values.
-Scales = tuple[torch.Tensor, torch.Tensor]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+# What a page holds, as both ends compare it at the handshake (the dtype may differ: converted). The page
+# layout is `hearth.kv.page_io`'s, the one owner of a page's bytes; the wire carries pages page-major.
+WireLayout = PageLayout
+WIRE_DTYPES = DTYPES
 
 
 def prompt_hash(token_ids: list[int]) -> int:
@@ -127,6 +85,7 @@ class SendSpec:
     source: PageSource
     num_tokens: int  # computed prompt tokens the source's pages hold (0: none; tells the receiver to give up)
     prompt_hash: int
+    layout: WireLayout | None = None  # what the source's pages hold, when not the transport's whole pool
 
 
 @dataclass(frozen=True)

@@ -690,9 +690,10 @@ class TCPTransport(KVTransport):
                 assert isinstance(challenge, Challenge)
                 # Auth goes out before our verdict on the receiver, so a wrong secret is reported on
                 # both sides (the receiver counts and logs the refusal).
-                auth = Auth(
-                    b"", self.layout, spec.num_tokens, spec.prompt_hash, encode_scales(spec.source.scales)
-                )
+                layout = (
+                    spec.layout or self.layout
+                )  # a part of this pool's heads, for a receiver of another TP size
+                auth = Auth(b"", layout, spec.num_tokens, spec.prompt_hash, encode_scales(spec.source.scales))
                 auth.mac = auth_mac(self.secret, spec.transfer_id, nonce, challenge.nonce, auth)
                 send_message(sock, auth)
                 expected = challenge_mac(
@@ -700,7 +701,7 @@ class TCPTransport(KVTransport):
                 )
                 if not hmac.compare_digest(challenge.mac, expected):
                     raise TransferError("the decode server did not prove it holds this deployment's secret")
-                mismatch = self.layout.mismatch(challenge.layout)
+                mismatch = layout.mismatch(challenge.layout)
                 if mismatch:
                     raise TransferError(mismatch)
                 sender_key, receiver_key = session_keys(self.secret, spec.transfer_id, nonce, challenge.nonce)
@@ -731,7 +732,8 @@ class TCPTransport(KVTransport):
         end = want.first_page + want.num_pages
         if want.first_page < 0 or end > spec.source.num_pages:
             raise TransferError(f"pages {want.first_page}..{end} wanted, {spec.source.num_pages} held")
-        page_bytes = self.layout.page_bytes(spec.source.dtype)
+        layout = spec.layout or self.layout
+        page_bytes = layout.page_bytes(spec.source.dtype)
         per_batch = max(1, self.batch_bytes // page_bytes)
         page_runs = getattr(spec.source, "page_runs", None)
         if want.remote is None and self.zero_copy_send and page_runs is not None:
@@ -755,7 +757,7 @@ class TCPTransport(KVTransport):
             while first < end:
                 count = min(per_batch, end - first)
                 raw = memoryview(staging)[: count * page_bytes]
-                out = torch.frombuffer(raw, dtype=spec.source.dtype).view(count, *self.layout.page_shape())
+                out = torch.frombuffer(raw, dtype=spec.source.dtype).view(count, *layout.page_shape())
                 spec.source.read_into(first, count, out)
                 self._send_payload(sock, want, raw, offset)  # off-socket bytes land before their header
                 batch = Batch(spec.transfer_id, first, count, dtype_name(spec.source.dtype), offset)

@@ -53,3 +53,28 @@ def recv_bytes(src: int) -> bytes:
     buffer = torch.empty(int(length.item()), dtype=torch.uint8)
     dist.recv(buffer, src, group=group)
     return buffer.numpy().tobytes()
+
+
+def gather_bytes(data: bytes) -> list[bytes] | None:
+    """Every rank's `data` to rank 0 over the control group (a collective: every rank calls it); rank 0
+    gets them in rank order, the others None."""
+    group = control_group()
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    lengths = [torch.empty(1, dtype=torch.int64) for _ in range(world)] if rank == 0 else None
+    dist.gather(length, lengths, dst=0, group=group)
+    size = max(int(t.item()) for t in lengths) if lengths is not None else 0
+    size_t = torch.tensor([size], dtype=torch.int64)
+    dist.broadcast(size_t, 0, group=group)  # every rank pads to the longest
+    size = int(size_t.item())
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty(size, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None
+    dist.gather(buffer, parts, dst=0, group=group)
+    if rank != 0:
+        COMM_BYTES["kv_events"] += len(data)
+        return None
+    assert parts is not None and lengths is not None
+    return [part[: int(n.item())].numpy().tobytes() for part, n in zip(parts, lengths, strict=True)]

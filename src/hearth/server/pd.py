@@ -69,12 +69,17 @@ class KVPeers:
 
 
 def reachable(endpoint: str, decode_url: str) -> str:
-    """A decode server bound to every address (0.0.0.0) is reached at its HTTP host."""
-    scheme, _, address = endpoint.partition("://")
-    host, _, port = address.rpartition(":")
-    if host in ("0.0.0.0", "[::]", "::"):
-        host = urlsplit(decode_url).hostname or "127.0.0.1"
-    return f"{scheme}://{host}:{port}"
+    """A decode server bound to every address (0.0.0.0) is reached at its HTTP host. A parallel decode
+    server advertises one endpoint per rank, comma-separated, then `;` and its parallel layout."""
+    endpoints, sep, layout = endpoint.partition(";")
+    parts = []
+    for part in endpoints.split(","):
+        scheme, _, address = part.partition("://")
+        host, _, port = address.rpartition(":")
+        if host in ("0.0.0.0", "[::]", "::"):
+            host = urlsplit(decode_url).hostname or "127.0.0.1"
+        parts.append(f"{scheme}://{host}:{port}")
+    return ",".join(parts) + sep + layout
 
 
 async def engine_kv_transfer(

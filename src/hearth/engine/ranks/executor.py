@@ -190,7 +190,9 @@ class DistributedExecutor:
             output = self.worker.execute(step)
             if self._sampling_rank != 0:
                 executed = time.perf_counter()
+                kv_events = output.kv_events  # every rank's, gathered by rank 0's worker
                 output = self._decoder.decode(self.channel.receive_output(self._sampling_rank))
+                output.kv_events = kv_events
                 PIPELINE_TIME_S["output_wait_s"] += time.perf_counter() - executed
             PIPELINE_TIME_S["step_publish_s"] += published - start
             PIPELINE_TIME_S["step_s"] += time.perf_counter() - start

@@ -58,6 +58,8 @@ def serve(rank: int) -> None:
         output = worker.execute(decoder.decode(data))
         if sends_output:
             channel.send_output(encoder.encode(output))
+    if worker.kv_worker is not None:
+        worker.kv_worker.close()  # queued tier writes get a moment to finish
     log_rank_report(rank, worker)
     channel.close()
 

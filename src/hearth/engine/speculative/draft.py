@@ -178,6 +178,7 @@ def _build(
         )
     # With tensor or pipeline parallelism the draft model still lives whole on rank 0, beside its shard of
     # the target: it needs only token ids, and a small model gains nothing from collectives.
+    # The draft's KV stays in its own pool: no tiers, no PD transfer of its own (the target's worker has them).
     worker_config = dataclasses.replace(
         config,
         model=config.speculative_model,
@@ -186,6 +187,10 @@ def _build(
         pipeline_parallel_size=1,
         pipeline_stage_layers=None,
         expert_parallel=False,
+        role="mixed",
+        kv_offload_memory_gib=0.0,
+        kv_disk_dir=None,
+        kv_store=None,
     )
     layout = kv_layout_for(worker_config, draft_config, dtype)
     # As many tokens as the target's cache, plus a page per sequence for the drafts past the target's tokens.

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hearth.kv.checksum import PageChecksumError, page_checksum, verify_page_checksum
+from hearth.kv.page_io import PageLayout
 from hearth.kv.prefix_keys import KEY_BYTES
 
 MAGIC = b"HKVP"
@@ -32,19 +33,24 @@ class PageFormatError(ValueError):
 
 @dataclass(frozen=True)
 class PageSpec:
-    """What one page looks like in this pool: its layout tag (the prefix-key salt's layout part), the
-    storage dtype and the shape `KVPool.read_pages([id])` returns. Pages are moved as raw storage."""
+    """What one page looks like in this tier stack: the rank's page layout (`hearth.kv.page_io`: the pool's
+    storage dtype, page-major shape, shard) and the layout tag blobs carry (the prefix-key salt's layout
+    part and this rank's place), so a page of another dtype, page size, model or rank never lands."""
 
     layout_tag: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+    layout: PageLayout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layout.storage_dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.layout.page_shape()
 
     @property
     def page_bytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.layout.page_bytes()
 
 
 def encode_page(spec: PageSpec, key: bytes, page: torch.Tensor) -> bytes:

@@ -36,11 +36,11 @@ logger = logging.getLogger("hearth.kv.tiers")
 
 
 class PagePool(Protocol):
-    """What the stack needs of the KV pool (`hearth.kv.pool.KVPool`)."""
+    """What the stack needs of a pool's pages (`hearth.kv.page_io.PageIO`): page-major reads and writes."""
 
-    def read_pages(self, page_ids: list[int]) -> torch.Tensor: ...
+    def read(self, page_ids: list[int], device: torch.device | str = "cpu") -> torch.Tensor: ...
 
-    def write_pages(self, page_ids: list[int], data: torch.Tensor) -> None: ...
+    def write(self, page_ids: list[int], data: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -181,8 +181,8 @@ class TierStack:
         return tuple(t for t in tiers if not t.knows(key))
 
     def _read(self, page_ids: list[int]) -> list[Page]:
-        # read_pages returns a copy (index_select), so these pages stay valid after the device page is reused.
-        return list(self.pool.read_pages(page_ids).to("cpu").split(1, dim=2))
+        # A copy: these pages stay valid after the device page is reused.
+        return list(self.pool.read(page_ids).unbind(0))
 
     def _enqueue(self, key: bytes, page: Page, targets: tuple[KVTier, ...]) -> None:
         if not targets:
@@ -217,7 +217,7 @@ class TierStack:
             del self._inflight[load.request_id]
             count = len(load.pages)
             if count:
-                self.pool.write_pages(load.page_ids[:count], torch.cat(load.pages, dim=2))
+                self.pool.write(load.page_ids[:count], torch.stack(load.pages))
             answers.append((load.request_id, count))
         if self._inflight:
             now = time.monotonic()
