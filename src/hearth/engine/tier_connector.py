@@ -29,10 +29,14 @@ class TierConnector(KVConnector):
 
     def poll(self) -> list[KVLoadResult]:
         results = []
-        for request_id, num_pages in self.stack.poll():
+        for request_id, num_pages, num_store_pages in self.stack.poll_by_source():
             if request_id in self._started:
                 self._started.discard(request_id)
-                results.append(KVLoadResult(request_id, "tier", num_pages * self.page_size))
+                results.append(
+                    KVLoadResult(
+                        request_id, "tier", num_pages * self.page_size, num_store_pages * self.page_size
+                    )
+                )
         return results
 
     def cancel(self, request_id: str) -> None:
