@@ -82,7 +82,30 @@ def test_load_splits_into_tier_pages_then_peer_tokens_and_completes_when_both_an
     coordinator.poll()
     assert req.status is RequestStatus.RUNNING and req.num_computed_tokens == 17
     assert req.cached_tokens == 8  # tier tokens are cache hits, the peer's are not
+    assert req.cached_tokens_by_source == (0, 8, 0, 9)
     assert coordinator.num_pending == 0
+
+
+def test_tier_tokens_a_shared_store_served_are_counted_apart() -> None:
+    scheduler, sources, coordinator = setup(lookup_pages=3)
+    req = request(0, 18)
+    admit(scheduler, coordinator, req, remote=18)
+    sources["tier"].parts.pop("r0")
+    sources["tier"].answers.append(KVLoadResult("r0", "tier", 12, num_store_tokens=8))
+    sources["peer"].answer("r0")
+    coordinator.poll()
+    assert req.cached_tokens == 12 and req.cached_tokens_by_source == (0, 4, 8, 5)
+
+
+def test_store_tokens_past_a_short_tier_answer_are_not_counted() -> None:
+    scheduler, sources, coordinator = setup(lookup_pages=3)
+    req = request(0, 18)
+    admit(scheduler, coordinator, req, remote=0)
+    sources["tier"].parts.pop("r0")
+    # A connector that claims more store tokens than arrived cannot inflate usage.
+    sources["tier"].answers.append(KVLoadResult("r0", "tier", 4, num_store_tokens=12))
+    coordinator.poll()
+    assert req.cached_tokens == 4 and req.cached_tokens_by_source == (0, 0, 4, 0)
 
 
 def test_short_tier_answer_makes_the_peer_pages_useless_and_the_rest_is_recomputed() -> None:

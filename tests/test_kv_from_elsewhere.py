@@ -130,6 +130,7 @@ def test_pd_request_waits_for_its_kv_then_computes_only_the_last_token():
     assert scheduler.kv_arrived(request, 9)
     assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == 9
     assert request.cached_tokens == 0  # a peer's KV is not a cache hit
+    assert request.cached_tokens_by_source == (0, 0, 0, 9)  # usage still says where it came from
     assert request.cached_page_count == 2  # the arrived full pages are now in the prefix cache
     out = scheduler.schedule()
     assert [(s.request, s.num_new_tokens, s.samples) for s in out.scheduled] == [(request, 1, True)]
@@ -303,6 +304,7 @@ def test_lower_tier_hit_waits_for_kv_then_runs_with_cached_tokens_counted():
     tier.load(load)
     assert scheduler.kv_arrived(again, load.num_tokens)
     assert again.cached_tokens == 12 and again.num_computed_tokens == 12
+    assert again.cached_tokens_by_source == (0, 12, 0, 0)
     out = scheduler.schedule()
     assert [s.num_new_tokens for s in out.scheduled] == [4]
     pool.run(scheduler, out)  # the pool check: the loaded context holds the prompt's tokens
@@ -313,6 +315,7 @@ def test_lower_tier_hit_waits_for_kv_then_runs_with_cached_tokens_counted():
     lookups = len(tier.lookups)
     out = scheduler.schedule()
     assert out.kv_loads == [] and fourth.cached_tokens == 12 and len(tier.lookups) == lookups
+    assert fourth.cached_tokens_by_source == (12, 0, 0, 0)
     assert_no_leaks(scheduler)
 
 
@@ -333,6 +336,7 @@ def test_lower_tier_partial_hit_after_a_device_hit_and_failure_falls_back():
     assert (load.start_token, load.num_tokens, load.keys) == (4, 8, keys[1:3])
     assert scheduler.kv_failed(request)  # e.g. the store timed out
     assert request.cached_tokens == 4 and request.num_computed_tokens == 4
+    assert request.cached_tokens_by_source == (4, 0, 0, 0)  # the device hit, nothing from the failed load
     run_to_completion(scheduler, pool, [request], max_tokens=1)
     assert_no_leaks(scheduler)
 

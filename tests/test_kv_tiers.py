@@ -208,6 +208,23 @@ def test_eviction_spills_to_host_then_disk_and_a_load_fills_the_pool(tmp_path: P
         stack.close()
 
 
+def test_a_load_says_how_many_of_its_pages_a_shared_store_served():
+    pool = small_pool()
+    spec = spec_of(pool)
+    host = HostTier(spec, 4 * spec.page_bytes)
+    store = SlowTier(spec)  # not local: a shared store
+    host.store([(KEYS[0], page(spec, 1.0))])
+    store.pages[KEYS[1]] = page(spec, 2.0)
+    store.pages[KEYS[2]] = page(spec, 3.0)
+    stack = TierStack([host, store], pool)
+    try:
+        stack.start_load("r", KEYS[:3], [4, 5, 6])
+        wait_for(lambda: stack._done)
+        assert stack.poll_by_source() == [("r", 3, 2)]
+    finally:
+        stack.close()
+
+
 def test_a_cancelled_load_never_writes_the_pool():
     pool = small_pool()
     spec = spec_of(pool)

@@ -46,6 +46,8 @@ def test_server_b_is_served_what_server_a_computed_through_redis(
         on_b = complete(b, prompt)
         cached = on_b["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= 0.9 * len(prompt) and cached == 288
+        by_source = on_b["usage"]["prompt_tokens_details"]["cached_tokens_by_source"]
+        assert by_source == {"device": 0, "tier": 0, "store": 288, "peer": 0}
         assert on_b["choices"][0]["text"] == on_a["choices"][0]["text"]
         deadline = time.monotonic() + 30  # tier stats reach the API process with a later stats message
         while metric(b, "kv_tier_hit_pages_total", "redis") != 18:

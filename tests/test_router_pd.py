@@ -242,5 +242,5 @@ async def test_a_stopped_prefill_holds_a_finished_answer_briefly_and_an_unhealth
         return {"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}}}
 
     worker.healthy = True
-    assert await router._prefill_cached_tokens(asyncio.create_task(answered()), worker) == 7
+    assert await router._prefill_cached_tokens(asyncio.create_task(answered()), worker) == (7, None)
     await router.close()

@@ -138,3 +138,28 @@ def test_messages_usage_moves_cached_tokens_out_of_input_tokens() -> None:
         b"event: message_delta\ndata: " + json.dumps({"usage": {"output_tokens": 5}}).encode() + b"\n\n"
     )
     assert rewrite_event(only_output, 64) == only_output
+
+
+def test_cached_tokens_by_source_takes_the_prefill_split_and_keeps_the_decode_sides_peer_count() -> None:
+    from hearth.router.usage import by_source_of, rewrite_event, rewrite_json_body
+
+    decode = {"device": 0, "tier": 0, "store": 0, "peer": 96}
+    prefill = {"device": 48, "tier": 32, "store": 0, "peer": 0}
+    chat = {
+        "prompt_tokens": 100,
+        "prompt_tokens_details": {"cached_tokens": 0, "cached_tokens_by_source": decode},
+    }
+    out = json.loads(rewrite_json_body(json.dumps({"usage": chat}).encode(), 80, prefill))
+    assert out["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 80,
+        "cached_tokens_by_source": {"device": 48, "tier": 32, "store": 0, "peer": 96},
+    }
+    messages = {"input_tokens": 100, "cache_read_input_tokens": 0, "cached_tokens_by_source": dict(decode)}
+    event = b"event: message_start\ndata: " + json.dumps({"message": {"usage": messages}}).encode() + b"\n\n"
+    payload = json.loads(rewrite_event(event, 80, prefill).split(b"data: ", 1)[1])
+    usage = payload["message"]["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (20, 80)
+    assert by_source_of(usage) == {"device": 48, "tier": 32, "store": 0, "peer": 96}
+    responses = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 0}}
+    out = json.loads(rewrite_json_body(json.dumps({"usage": responses}).encode(), 80, prefill))
+    assert by_source_of(out["usage"]) is None  # a worker without the extension: nothing invented

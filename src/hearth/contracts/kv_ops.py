@@ -100,3 +100,4 @@ class KVEvent(msgspec.Struct, array_like=True, omit_defaults=True):
     ok: bool = True
     num_pages: int = 0
     detail: str = ""  # "listening": the endpoint; a failure: why
+    num_store_pages: int = 0  # "loaded": of `num_pages`, those a shared store served (usage reports them)

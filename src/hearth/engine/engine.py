@@ -337,6 +337,7 @@ class Engine:
             new_token_ids=tokens,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.cached_tokens or 0,
+            cached_tokens_by_source=request.cached_tokens_by_source,
             new_logprobs=logprobs,
             prompt_logprobs=prompt_logprobs.take(request)
             if request.params.prompt_logprobs is not None

@@ -112,6 +112,7 @@ class KVLoadResult:
     request_id: str
     source: KVSource
     num_tokens: int  # leading tokens of the part whose KV is in place; 0 = the load failed
+    num_store_tokens: int = 0  # of a tier part's `num_tokens`, those a shared store served (usage says so)
 
 
 class KVConnector(ABC):
@@ -169,6 +170,7 @@ class _Pending:
     load: KVLoad
     tier_tokens: int | None  # None: not answered yet
     peer_tokens: int | None
+    store_tokens: int = 0
 
 
 class KVLoadCoordinator:
@@ -260,6 +262,8 @@ class KVLoadCoordinator:
                 if pending is None:
                     continue  # cancelled meanwhile
                 self._record(pending, result.source, result.num_tokens)
+                if result.source == "tier":
+                    pending.store_tokens = result.num_store_tokens
                 self._maybe_complete(result.request_id)
 
     @staticmethod
@@ -286,7 +290,7 @@ class KVLoadCoordinator:
         if arrived == 0:
             self.scheduler.kv_failed(load.request)
         else:
-            self.scheduler.kv_arrived(load.request, arrived)
+            self.scheduler.kv_arrived(load.request, arrived, min(pending.store_tokens, tier_tokens))
 
     def request_finished(self, request: Request) -> None:
         """Before a request's pages are freed: stop its loads, then let connectors see its KV."""

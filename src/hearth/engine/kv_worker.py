@@ -299,10 +299,18 @@ class KVWorker:
 
     def _harvest(self) -> None:
         if self.tiers is not None and self._tier_loads:
-            for request_id, num_pages in self.tiers.poll():
+            for request_id, num_pages, num_store_pages in self.tiers.poll_by_source():
                 if request_id in self._tier_loads:
                     self._tier_loads.discard(request_id)
-                    self._events.append(KVEvent("loaded", self.rank, request_id, num_pages=num_pages))
+                    self._events.append(
+                        KVEvent(
+                            "loaded",
+                            self.rank,
+                            request_id,
+                            num_pages=num_pages,
+                            num_store_pages=num_store_pages,
+                        )
+                    )
         if self.transport is None:
             return
         for event in self.transport.events():

@@ -60,6 +60,8 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     queue_time_s: float | None = (
         None  # with the first output: seconds it waited before it was first scheduled
     )
+    # Prompt tokens per source (hearth.engine.request.CACHE_SOURCES); device + tier + store = cached.
+    cached_tokens_by_source: tuple[int, int, int, int] | None = None
 
     @property
     def finished(self) -> bool:

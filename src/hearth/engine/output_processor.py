@@ -124,6 +124,7 @@ class OutputProcessor:
             kv_transfer_status=core.kv_transfer_status,
             prompt_logprobs=core.prompt_logprobs,
             queue_time_s=core.queue_time_s,
+            cached_tokens_by_source=core.cached_tokens_by_source,
         )
 
     @staticmethod

@@ -35,6 +35,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     queue_time_s: float | None = None  # with the first output: seconds waiting in the engine before it ran
     kv_transfer_status: str | None = None  # PD prefill side, last output: "sent" or "failed"
+    # Prompt tokens per source (hearth.engine.request.CACHE_SOURCES); device + tier + store = cached.
+    cached_tokens_by_source: tuple[int, int, int, int] | None = None
 
     @property
     def finished(self) -> bool:

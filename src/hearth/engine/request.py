@@ -12,6 +12,10 @@ from hearth.engine.outputs import FinishReason, TokenLogprob
 from hearth.engine.sampling_params import SamplingParams
 from hearth.engine.structured_output import GrammarMatcher
 
+# The order of `Request.cached_tokens_by_source`: this server's prefix cache, its local tiers (host
+# memory, disk), a shared store (Redis, Mooncake), and a PD peer's transfer.
+CACHE_SOURCES = ("device", "tier", "store", "peer")
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -53,6 +57,8 @@ class Request:
     num_pending_tier_tokens: int = 0  # ...the leading ones of them from a lower cache tier (count as cached)
     # reporting
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
+    # Where the prompt's KV came from at first admission: tokens per CACHE_SOURCES (usage reports it).
+    cached_tokens_by_source: tuple[int, int, int, int] | None = None
     num_preemptions: int = 0
     num_kv_integrity_failures: int = 0  # steps whose page tags did not match (hearth.engine.kv_integrity)
     finish_reason: FinishReason | None = None

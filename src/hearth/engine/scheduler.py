@@ -164,6 +164,7 @@ class Scheduler:
                 continue
             if request.cached_tokens is None:
                 request.cached_tokens = cached
+                request.cached_tokens_by_source = (cached, 0, 0, 0)
             request.status = RequestStatus.RUNNING
             if request.queue_time_s is None:  # vllm:request_queue_time_seconds (its first admission only)
                 request.queue_time_s = time.monotonic() - request.arrival_s
@@ -239,11 +240,12 @@ class Scheduler:
             )
         )
 
-    def kv_arrived(self, request: Request, num_tokens: int) -> bool:
+    def kv_arrived(self, request: Request, num_tokens: int, num_store_tokens: int = 0) -> bool:
         """The KV of the first `num_tokens` of a `WAITING_FOR_KV` request's pending tokens is in place.
 
         The request becomes runnable with those tokens computed; pending tokens past them (a partial
-        load) are recomputed in the pages already allocated. Returns False, doing nothing, when the
+        load) are recomputed in the pages already allocated; `num_store_tokens` of the tier's part came
+        from a shared store (usage tells sources apart). Returns False, doing nothing, when the
         request no longer waits for KV (finished or aborted meanwhile).
         """
         if self.waiting_for_kv.get(request.request_id) is not request:
@@ -255,7 +257,15 @@ class Scheduler:
         if request.cached_tokens is None:
             # Tier pages count as cached (usage tells where prompt tokens came from); a peer's don't.
             from_tier = min(num_tokens, request.num_pending_tier_tokens)
-            request.cached_tokens = request.num_computed_tokens + from_tier
+            num_device = request.num_computed_tokens
+            request.cached_tokens = num_device + from_tier
+            from_store = min(num_store_tokens, from_tier)
+            request.cached_tokens_by_source = (
+                num_device,
+                from_tier - from_store,
+                from_store,
+                num_tokens - from_tier,
+            )
         request.num_computed_tokens += num_tokens
         self.num_kv_recomputed_tokens += pending - num_tokens
         request.num_pending_kv_tokens = request.num_pending_tier_tokens = 0

@@ -43,6 +43,7 @@ from hearth.router.upstream import (
 )
 from hearth.router.usage import (
     SSESplitter,
+    by_source_of,
     cached_tokens_of,
     event_has_usage,
     rewrite_event,
@@ -67,6 +68,8 @@ RETURNED_HEADERS = ("x-request-id",)
 # aiohttp-client errors that mean a worker never answered (health checks, /v1/models).
 CONNECT_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
 JSON_HEADER_LINE = b"content-type: application/json\r\n"
+# The prefill answer's cached tokens and their split by source (None from a server without it).
+PrefillCached = tuple[int, dict[str, int] | None]
 PREFILL_HEALTH_POLL_S = 0.1  # how often a finished answer waiting for the prefill's usage checks its health
 
 
@@ -286,7 +289,7 @@ class Router:
         upstream: UpstreamResponse,
         tickets: list[Ticket],
         stream: bool,
-        cached_tokens: Callable[[], Awaitable[int | None]] | None = None,
+        cached_tokens: Callable[[], Awaitable[PrefillCached | None]] | None = None,
     ) -> Response | StreamWriter:
         """Send the worker's answer to the client: chunk by chunk for SSE, whole otherwise.
 
@@ -307,7 +310,7 @@ class Router:
                 if cached_tokens is not None and upstream.status == 200:
                     cached = await cached_tokens()
                     if cached is not None:
-                        body = rewrite_json_body(body, cached)
+                        body = rewrite_json_body(body, *cached)
                 if request.path == RESPONSES_PATH and upstream.status == 200:
                     self._remember_response(body, tickets)
                 return Response(upstream.status, body, content_type, headers)
@@ -323,7 +326,7 @@ class Router:
         upstream: UpstreamResponse,
         tickets: list[Ticket],
         headers: dict[str, str],
-        cached_tokens: Callable[[], Awaitable[int | None]] | None,
+        cached_tokens: Callable[[], Awaitable[PrefillCached | None]] | None,
     ) -> Response | StreamWriter:
         headers["content-type"] = "text/event-stream"
         headers["cache-control"] = "no-cache"
@@ -365,14 +368,17 @@ class Router:
         return response
 
     async def _rewrite_chunk(
-        self, splitter: SSESplitter, chunk: bytes, cached_tokens: Callable[[], Awaitable[int | None]]
+        self,
+        splitter: SSESplitter,
+        chunk: bytes,
+        cached_tokens: Callable[[], Awaitable[PrefillCached | None]],
     ) -> bytes:
         out: list[bytes] = []
         for event in splitter.feed(chunk):
             if event_has_usage(event):
                 cached = await cached_tokens()
                 if cached is not None:
-                    event = rewrite_event(event, cached)
+                    event = rewrite_event(event, *cached)
             out.append(event)
         return b"".join(out)
 
@@ -440,7 +446,7 @@ class Router:
 
             async def cached_tokens(
                 task: asyncio.Task[dict[str, Any] | None] = prefill_task, worker: Worker = prefill
-            ) -> int | None:
+            ) -> PrefillCached | None:
                 return await self._prefill_cached_tokens(task, worker)
 
             try:
@@ -457,8 +463,8 @@ class Router:
 
     async def _prefill_cached_tokens(
         self, task: asyncio.Task[dict[str, Any] | None], worker: Worker
-    ) -> int | None:
-        """The prefill answer's cached tokens for the decode answer's usage. A finished answer waits for
+    ) -> PrefillCached | None:
+        """The prefill answer's cached tokens (and their split by source) for the decode answer's usage. A finished answer waits for
         them at most `prefill_usage_wait_s`, and not at all once the prefill server is seen unhealthy
         (stopped or gone): then the decode side's usage goes out as it is."""
         deadline_s = time.monotonic() + self.config.prefill_usage_wait_s
@@ -470,7 +476,9 @@ class Router:
         if task.cancelled() or task.exception() is not None:
             return None
         result = task.result()
-        return cached_tokens_of(result.get("usage")) if result else None
+        usage = result.get("usage") if result else None
+        cached = cached_tokens_of(usage)
+        return None if cached is None else (cached, by_source_of(usage))
 
     async def _run_prefill(
         self, worker: Worker, path: str, data: bytes, headers: bytes, ticket: Ticket

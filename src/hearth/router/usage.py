@@ -5,7 +5,9 @@ describes the wrong cache. The prefill side's number is the one that tells the c
 Every API names it its own way: chat/completions `usage.prompt_tokens_details.cached_tokens`, Responses
 `usage.input_tokens_details.cached_tokens` (in a stream, inside the event's `response`), Messages
 `usage.cache_read_input_tokens` with `input_tokens` counting only the rest (in a stream, in
-`message_start`'s `message` and in `message_delta`).
+`message_start`'s `message` and in `message_delta`). Hearth's `cached_tokens_by_source` (next to
+`cached_tokens`; at the top of Messages usage) takes the prefill side's device/tier/store split and keeps
+the decode side's `peer` count (the tokens the transfer brought).
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ def cached_tokens_of(usage: Any) -> int | None:
     return None
 
 
+def by_source_of(usage: Any) -> dict[str, int] | None:
+    """Hearth's `cached_tokens_by_source` of a usage object of any API, or None."""
+    if not isinstance(usage, dict):
+        return None
+    holders = [usage, usage.get("prompt_tokens_details"), usage.get("input_tokens_details")]
+    for holder in holders:
+        if isinstance(holder, dict) and isinstance(holder.get("cached_tokens_by_source"), dict):
+            return holder["cached_tokens_by_source"]
+    return None
+
+
+def _set_by_source(usage: dict[str, Any], prefill_by_source: dict[str, int] | None) -> None:
+    own = by_source_of(usage)
+    if own is None or prefill_by_source is None:
+        return
+    for name in ("device", "tier", "store"):
+        value = prefill_by_source.get(name)
+        own[name] = value if isinstance(value, int) else 0
+
+
 def find_usage(payload: dict[str, Any]) -> dict[str, Any] | None:
     """The usage object of an answer or stream event, wherever its API puts it."""
     usage = payload.get("usage")
@@ -40,10 +62,13 @@ def find_usage(payload: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def set_cached_tokens(payload: dict[str, Any], cached_tokens: int) -> bool:
+def set_cached_tokens(
+    payload: dict[str, Any], cached_tokens: int, by_source: dict[str, int] | None = None
+) -> bool:
     usage = find_usage(payload)
     if usage is None or not ("prompt_tokens" in usage or "input_tokens" in usage):
         return False  # no prompt counts here (Anthropic's message_delta may carry output_tokens only)
+    _set_by_source(usage, by_source)
     if "cache_read_input_tokens" in usage or (
         "input_tokens" in usage and "input_tokens_details" not in usage
     ):
@@ -61,12 +86,12 @@ def set_cached_tokens(payload: dict[str, Any], cached_tokens: int) -> bool:
     return True
 
 
-def rewrite_json_body(body: bytes, cached_tokens: int) -> bytes:
+def rewrite_json_body(body: bytes, cached_tokens: int, by_source: dict[str, int] | None = None) -> bytes:
     try:
         payload = json.loads(body)
     except ValueError:
         return body
-    if isinstance(payload, dict) and set_cached_tokens(payload, cached_tokens):
+    if isinstance(payload, dict) and set_cached_tokens(payload, cached_tokens, by_source):
         return json.dumps(payload, separators=(",", ":")).encode()
     return body
 
@@ -92,9 +117,9 @@ def event_has_usage(event: bytes) -> bool:
     return b'"usage":{' in event or b'"usage": {' in event
 
 
-def rewrite_event(event: bytes, cached_tokens: int) -> bytes:
+def rewrite_event(event: bytes, cached_tokens: int, by_source: dict[str, int] | None = None) -> bytes:
     payload = _event_json(event)
-    if payload is None or not set_cached_tokens(payload, cached_tokens):
+    if payload is None or not set_cached_tokens(payload, cached_tokens, by_source):
         return event
     # Other lines (`event: message_delta`) stay as they were.
     lines = [line for line in event.rstrip(b"\n").split(b"\n") if not line.startswith(DATA_PREFIX)]

@@ -16,6 +16,7 @@ from typing import Any
 from hearth.engine.kv_integrity import KV_INTEGRITY_ERROR
 from hearth.engine.messages import KVTransferParams
 from hearth.engine.outputs import RequestOutput, TokenLogprob
+from hearth.engine.request import CACHE_SOURCES
 from hearth.engine.sampling_params import InvalidParamError, SamplingParams
 from hearth.engine.structured_output import StructuredOutput
 from hearth.server.errors import APIError, bad_request
@@ -202,13 +203,30 @@ def prompt_logprobs_entries(
     return result
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage_dict(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    cached_tokens_by_source: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    if cached_tokens_by_source is not None:
+        # A Hearth extension (docs/server.md "Cache accounting"); every API reports the same object.
+        details["cached_tokens_by_source"] = cached_tokens_by_source
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
+
+
+def _by_source(choices: Any) -> dict[str, int]:
+    totals = [0] * len(CACHE_SOURCES)
+    for choice in choices:
+        for index, num_tokens in enumerate(choice.cached_tokens_by_source or ()):
+            totals[index] += num_tokens
+    return dict(zip(CACHE_SOURCES, totals, strict=True))
 
 
 @dataclass
@@ -219,6 +237,7 @@ class _Choice:
     last_token_s: float | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_by_source: tuple[int, int, int, int] | None = None
     finished: bool = False
     queue_time_s: float = 0.0  # in the engine before it first ran (the engine reports it once)
 
@@ -317,7 +336,7 @@ class Generation:
         prompt_tokens = sum(choice.prompt_tokens for choice in firsts.values())
         cached_tokens = sum(choice.cached_tokens for choice in firsts.values())
         completion_tokens = sum(choice.completion_tokens for choice in self._choices)
-        return usage_dict(prompt_tokens, completion_tokens, cached_tokens)
+        return usage_dict(prompt_tokens, completion_tokens, cached_tokens, _by_source(firsts.values()))
 
     def _observe(self, index: int, output: RequestOutput) -> None:
         choice = self._choices[index]
@@ -338,6 +357,8 @@ class Generation:
             choice.last_token_s = now
         choice.completion_tokens = output.completion_tokens
         choice.cached_tokens = output.cached_tokens
+        if output.cached_tokens_by_source is not None:
+            choice.cached_tokens_by_source = output.cached_tokens_by_source
         choice.prompt_tokens = output.prompt_tokens
         if output.kv_transfer_status is not None:
             self.kv_transfer_status = output.kv_transfer_status

@@ -138,6 +138,7 @@ class _Message:
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": cached,
             "output_tokens": usage["completion_tokens"],
+            "cached_tokens_by_source": usage["prompt_tokens_details"]["cached_tokens_by_source"],
         }
 
     def stop(self, finish_reason: str | None, stop_reason: str | int | None) -> tuple[str, str | None]:

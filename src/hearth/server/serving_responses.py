@@ -318,7 +318,7 @@ class _Turn:
         )
         return {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            "input_tokens_details": usage["prompt_tokens_details"],
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage["completion_tokens"])},
             "total_tokens": usage["total_tokens"],

@@ -52,7 +52,12 @@ class TierConnector(KVConnector):
             answers = self._loads.add(event.request_id, event)
             if answers is not None:
                 num_pages = min(a.num_pages if a.ok else 0 for a in answers)
-                self._results.append(KVLoadResult(event.request_id, "tier", num_pages * self.page_size))
+                num_store_pages = min(num_pages, min(a.num_store_pages for a in answers))
+                self._results.append(
+                    KVLoadResult(
+                        event.request_id, "tier", num_pages * self.page_size, num_store_pages * self.page_size
+                    )
+                )
 
     def poll(self) -> list[KVLoadResult]:
         results, self._results = self._results, []

@@ -51,6 +51,7 @@ class _Load:
     started_s: float
     cancelled: bool = False
     pages: list[Page] = field(default_factory=list)
+    num_store_pages: int = 0  # of `pages`, those a shared store (a tier that is not local) served
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,11 @@ class TierStack:
 
     def poll(self) -> list[tuple[str, int]]:
         """(request id, leading pages now in the pool) for each load that ended since the last call."""
-        answers: list[tuple[str, int]] = []
+        return [(request_id, num_pages) for request_id, num_pages, _ in self.poll_by_source()]
+
+    def poll_by_source(self) -> list[tuple[str, int, int]]:
+        """As `poll`, with how many of those pages came from a shared store (usage reports it apart)."""
+        answers: list[tuple[str, int, int]] = []
         while self._done:
             load = self._done.popleft()
             if load.cancelled or self._inflight.get(load.request_id) is not load:
@@ -218,7 +223,7 @@ class TierStack:
             count = len(load.pages)
             if count:
                 self.pool.write(load.page_ids[:count], torch.stack(load.pages))
-            answers.append((load.request_id, count))
+            answers.append((load.request_id, count, load.num_store_pages))
         if self._inflight:
             now = time.monotonic()
             for load in [ld for ld in self._inflight.values() if now - ld.started_s > self.load_timeout_s]:
@@ -229,7 +234,7 @@ class TierStack:
                     load.request_id,
                     self.load_timeout_s,
                 )
-                answers.append((load.request_id, 0))
+                answers.append((load.request_id, 0, 0))
         return answers
 
     def cancel(self, request_id: str) -> None:
@@ -278,14 +283,16 @@ class TierStack:
             assert isinstance(load, _Load)
             if not load.cancelled:
                 try:
-                    load.pages = self._fetch(load.keys)
+                    load.pages, load.num_store_pages = self._fetch(load.keys)
                 except Exception:  # a bug in a tier must not kill the thread; the request recomputes
                     logger.exception("KV tier load failed")
                     load.pages = []
             self._done.append(load)
 
-    def _fetch(self, keys: list[bytes]) -> list[Page]:
+    def _fetch(self, keys: list[bytes]) -> tuple[list[Page], int]:
+        """The leading pages of `keys` any tier has, and how many of them a shared store served."""
         pages: list[Page] = []
+        num_store_pages = 0
         while len(pages) < len(keys):
             for tier in self.tiers:
                 if self._is_down(tier):
@@ -301,10 +308,12 @@ class TierStack:
                 if got:
                     tier.stats.add(hit_pages=len(got), hit_bytes=len(got) * tier.spec.page_bytes)
                     pages.extend(got)
+                    if not tier.local:
+                        num_store_pages += len(got)
                     break
             else:
                 break
-        return pages
+        return pages, num_store_pages
 
     # ---- writer thread ----------------------------------------------------------------------------
 
