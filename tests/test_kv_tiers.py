@@ -216,7 +216,7 @@ def test_a_load_says_how_many_of_its_pages_a_shared_store_served():
     host.store([(KEYS[0], page(spec, 1.0))])
     store.pages[KEYS[1]] = page(spec, 2.0)
     store.pages[KEYS[2]] = page(spec, 3.0)
-    stack = TierStack([host, store], pool)
+    stack = TierStack([host, store], pool.io)
     try:
         stack.start_load("r", KEYS[:3], [4, 5, 6])
         wait_for(lambda: stack._done)
