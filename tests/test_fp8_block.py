@@ -123,7 +123,7 @@ def test_quantization_int4_from_fp8_block_checkpoint(fp8_checkpoint, monkeypatch
     down = model.model.layers[1].mlp.down_proj
     assert not hasattr(down, "weight") and down.int4.group_size == 64  # 320 input features
     torch.testing.assert_close(dequantize_int4(down.int4), oracle["model.layers.1.mlp.down_proj.weight"])
-    assert model.lm_head_int4 is not None
+    assert model.lm_head_quantized is not None
     oracle_dir = tmp_path / "int4-oracle"
     shutil.copytree(dense_dir, oracle_dir)
     save_file(oracle, oracle_dir / "model.safetensors")

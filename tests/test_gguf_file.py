@@ -20,6 +20,7 @@ from hearth.model.quantization.gguf import int4_parts, int8_parts
 from hearth.model.quantization.select import resolve_quantization
 from hearth.model.tokenizer import Tokenizer
 from hearth.ops.int4 import dequantize_int4, make_int4_weights
+from hearth.ops.int8 import Int8Weights
 from hearth.server.chat_template import ChatTemplate
 
 gguf = pytest.importorskip("gguf")
@@ -99,6 +100,12 @@ def test_quantized_gguf_runs_from_its_blocks_and_gives_transformers_tokens(
         assert layer.int8.q.dtype == torch.int8 and layer.int8.group_size == 32
     else:
         assert layer.int4.group_size == 32 and not layer.int4.int8_activations  # W4A16 by default
+    # The tied head runs on the embedding's own blocks where the file quantizes it (Q8_0: the INT8 kernel).
+    head = llm.engine.worker.model.lm_head_quantized
+    if embedding == "Q8_0":
+        assert isinstance(head, Int8Weights) and head.q.shape == (llm.engine.model_config.vocab_size, 64)
+    else:
+        assert head is None
     hf = hf_gguf_model(path)
     assert tokens == [hf_gguf_greedy(hf, prompt, 10) for prompt in PROMPTS]
 

@@ -58,7 +58,7 @@ def fake_quantized_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     return (quantized.double() * (amax / 127).double()).view(x.shape)
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("group", [32, 64, 96, 128])  # 96: a group ends inside a packed block of 64
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("activations", ["int8", "float"])
 def test_int4_linear_matches_float64_over_dequantized_weights(group, act_order, activations, monkeypatch):

@@ -118,7 +118,8 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin", table, persistent=False)
         self.lm_head_weights: LinearWeights | None = None
         self.quant_method = options.quant_method if options is not None else None
-        self.lm_head_int4: Any = None  # `hearth.ops.int4.Int4Weights` when the method quantizes the head too
+        # `Int4Weights` or `Int8Weights` (`hearth.ops`) when the quantization method quantizes the head too.
+        self.lm_head_quantized: Any = None
         # EAGLE-3 (`hearth.model.eagle3`): the residual stream entering these layers (num_layers: leaving the
         # last) is kept, concatenated in this order, in `aux_hidden` `[tokens, len * hidden]` after each forward.
         self.aux_hidden_layers: tuple[int, ...] = ()
@@ -163,20 +164,23 @@ class CausalLM(nn.Module):
                 module.quant_method.process_after_loading(module)
         quantize_head = getattr(self.quant_method, "quantize_lm_head", None)
         if quantize_head is not None and self.model.is_last_stage:
-            # `--quantization int4`: the head is the largest matrix of a small model.
-            self.lm_head_int4 = quantize_head(self.lm_head.weight)
+            # `--quantization int4`, a GGUF's own blocks: the head is the largest matrix of a small model.
+            self.lm_head_quantized = quantize_head(self.lm_head.weight)
         if (
-            self.lm_head_int4 is None
+            self.lm_head_quantized is None
             and self.model.is_last_stage
             and self.lm_head.weight.device.type == "cpu"
         ):
             self.lm_head_weights = prepare_linear_weights(self.lm_head.weight, gemv_layout=True)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_int4 is not None:
+        if self.lm_head_quantized is not None:
             from hearth.ops.int4 import int4_linear
+            from hearth.ops.int8 import Int8Weights, int8_linear
 
-            return int4_linear(hidden, self.lm_head_int4, None)
+            if isinstance(self.lm_head_quantized, Int8Weights):
+                return int8_linear(hidden, self.lm_head_quantized, None)
+            return int4_linear(hidden, self.lm_head_quantized, None)
         if self.lm_head_weights is not None:
             return self.lm_head.gather(linear(hidden, self.lm_head_weights, None))
         return self.lm_head(hidden)

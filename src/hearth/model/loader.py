@@ -156,6 +156,8 @@ def load_weights(model: CausalLM, model_dir: str | Path, progress: bool = False)
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
             tensor = read(getattr(param, "lazy_loading", False))
             if isinstance(tensor, QuantizedTensor) and not getattr(param, "gguf_blocks", False):
+                # The file's blocks stay beside the dense copy: a tied LM head runs on them (`quantize_lm_head`).
+                param.gguf_source = tensor
                 tensor = tensor.dequantize().to(param.dtype)  # embeddings, norms: no block-quantized path
             try:
                 weight_loader(param, tensor, shard)

@@ -44,6 +44,7 @@ _SOURCES = [
         "rms_norm.cpp",
         "rotary_write_kv.cpp",
         "int4_skinny_linear.cpp",
+        "int8_skinny_linear.cpp",
         "page_tags.cpp",
     )
 ]
@@ -69,6 +70,7 @@ _rotary_write_kv: Callable[..., object] | None = None
 _paged_decode_attention_fp8: Callable[..., object] | None = None
 _rotary_write_kv_fp8: Callable[..., object] | None = None
 _int4_skinny_linear: Callable[..., object] | None = None
+_int8_skinny_linear: Callable[..., object] | None = None
 _paged_decode_attention_bf16: Callable[..., object] | None = None
 _check_page_tags: Callable[..., list[int]] | None = None
 _build_thread: threading.Thread | None = None
@@ -240,7 +242,7 @@ def _build() -> None:
         _rotary_write_kv, \
         _paged_decode_attention_fp8, \
         _rotary_write_kv_fp8
-    global _int4_skinny_linear, _paged_decode_attention_bf16, _check_page_tags
+    global _int4_skinny_linear, _int8_skinny_linear, _paged_decode_attention_bf16, _check_page_tags
     try:
         from torch.utils.cpp_extension import load
 
@@ -265,6 +267,7 @@ def _build() -> None:
     _paged_decode_attention_fp8 = module.paged_decode_attention_fp8
     _rotary_write_kv_fp8 = module.rotary_write_kv_fp8
     _int4_skinny_linear = module.int4_skinny_linear
+    _int8_skinny_linear = module.int8_skinny_linear
     _paged_decode_attention_bf16 = module.paged_decode_attention_bf16
     _check_page_tags = module.check_page_tags
     logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm, rotary + KV write)")
@@ -347,6 +350,11 @@ def int4_skinny_linear_kernel() -> Callable[..., object] | None:
     """`int4_skinny_linear(x, packed, scales, zero_scaled, group_size, bias=None, int8_activations=False)` once
     built; else None."""
     return _int4_skinny_linear
+
+
+def int8_skinny_linear_kernel() -> Callable[..., object] | None:
+    """`int8_skinny_linear(x, q, scales, group_size, bias=None)` once built; else None."""
+    return _int8_skinny_linear
 
 
 def paged_decode_attention_bf16_kernel() -> Callable[..., object] | None:

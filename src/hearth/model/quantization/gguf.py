@@ -160,6 +160,29 @@ class GGUFLinearMethod(QuantizationMethod):
         layer.weight = nn.Parameter(dense.to(layer.gguf_dtype), requires_grad=False)
         self._dense.process_after_loading(layer)
 
+    def quantize_lm_head(self, weight: torch.Tensor) -> Int4Weights | Int8Weights | None:
+        """The head on the file's own blocks (a tied head: the embedding's, which the loader keeps beside its
+        dense copy as `gguf_source`): Q8_0 on the INT8 kernel, 4-bit types on the INT4 kernel. None (the
+        dense path) for other types."""
+        source = getattr(weight, "gguf_source", None)
+        if not isinstance(source, QuantizedTensor) or tuple(source.shape) != tuple(weight.shape):
+            return None
+        if weight.device.type != "cpu":
+            return None
+        if source.type_name == "Q8_0":
+            q8, scales8 = int8_parts(source)
+            return Int8Weights(q8.contiguous(), scales8.contiguous(), GROUP)
+        if source.type_name in NATIVE_INT4_TYPES and source.shape[1] % BLOCK == 0:
+            q, scales, zero_scaled = int4_parts(source)
+            return Int4Weights(
+                packed=pack_int4(q),
+                scales=scales.contiguous(),
+                zero_scaled=zero_scaled.contiguous(),
+                group_size=GROUP,
+                int8_activations=int8_activations_default(checkpoint_format=True),
+            )
+        return None
+
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weights: Int4Weights | None = getattr(layer, "int4", None)
         if weights is not None:

@@ -1,0 +1,183 @@
+// y = x @ w^T for a few rows of float32 activations and an INT8 weight [out, in] with one float32 scale per
+// group of input features (GGUF's Q8_0: w = d * q, 32 weights per d), on CPU.
+//
+// Decode reads every weight once a step: int8 is a quarter of float32's bytes. The LM head of a small model is
+// its largest matrix (SmolLM2-135M: 49,152 x 576, 113 MB in float32, 30 MB as Q8_0), so this kernel is what a
+// GGUF's tied Q8_0 embedding runs on as the head. Per group g of output o:
+//   sum_i x_i * (q_i * d)  =  d * sum_i x_i q_i
+// the int8 weights are widened to float32 in registers and FMA'd with the float activations (the file's
+// weights exactly: no rounding of the activations), and the group's sum is scaled once.
+//
+// Register blocking: a tile of R output rows x M activation rows shares each widened weight vector across the
+// M rows and each activation load across the R outputs.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+struct Int8Weight {
+  const int8_t* q;        // [n, k]
+  const float* scales;    // [n, groups]
+  const float* bias;      // [n] or null
+  int64_t k, groups, group_size;
+};
+
+#define HEARTH_UNROLL _Pragma("GCC unroll 16")
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using VecF = __m512;
+inline VecF zero_f() { return _mm512_setzero_ps(); }
+inline VecF load_f(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF widen_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF set1_f(float v) { return _mm512_set1_ps(v); }
+inline float hsum_f(VecF v) { return _mm512_reduce_add_ps(v); }
+#define HEARTH_INT8_SIMD 1
+#elif defined(__AVX2__)
+constexpr int64_t kLanes = 8;
+using VecF = __m256;
+inline VecF zero_f() { return _mm256_setzero_ps(); }
+inline VecF load_f(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF widen_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline VecF fma_f(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF set1_f(float v) { return _mm256_set1_ps(v); }
+inline float hsum_f(VecF v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#define HEARTH_INT8_SIMD 1
+#endif
+
+#ifdef HEARTH_INT8_SIMD
+// Output rows [o, o + R) x activation rows [m0, m0 + M).
+template <int M, int R>
+void tile(const Int8Weight& w, const float* x, int64_t x_stride, int64_t m0, int64_t o, float* y, int64_t y_stride) {
+  VecF total[M][R];
+  HEARTH_UNROLL
+  for (int m = 0; m < M; ++m)
+    HEARTH_UNROLL
+    for (int r = 0; r < R; ++r) total[m][r] = zero_f();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    VecF acc[M][R];
+    HEARTH_UNROLL
+    for (int m = 0; m < M; ++m)
+      HEARTH_UNROLL
+      for (int r = 0; r < R; ++r) acc[m][r] = zero_f();
+    const int64_t first = g * w.group_size;
+    for (int64_t i = first; i < first + w.group_size; i += kLanes) {
+      VecF wv[R];
+      HEARTH_UNROLL
+      for (int r = 0; r < R; ++r) wv[r] = widen_i8(w.q + (o + r) * w.k + i);
+      HEARTH_UNROLL
+      for (int m = 0; m < M; ++m) {
+        const VecF xv = load_f(x + (m0 + m) * x_stride + i);
+        HEARTH_UNROLL
+        for (int r = 0; r < R; ++r) acc[m][r] = fma_f(wv[r], xv, acc[m][r]);
+      }
+    }
+    HEARTH_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const VecF s = set1_f(w.scales[(o + r) * w.groups + g]);
+      HEARTH_UNROLL
+      for (int m = 0; m < M; ++m) total[m][r] = fma_f(acc[m][r], s, total[m][r]);
+    }
+  }
+  HEARTH_UNROLL
+  for (int m = 0; m < M; ++m)
+    HEARTH_UNROLL
+    for (int r = 0; r < R; ++r) y[(m0 + m) * y_stride + o + r] = hsum_f(total[m][r]) + (w.bias ? w.bias[o + r] : 0.f);
+}
+
+template <int M>
+void tiles(const Int8Weight& w, const float* x, int64_t x_stride, int64_t m0, int64_t begin, int64_t end, float* y,
+           int64_t n) {
+  constexpr int R = M == 1 ? 4 : 2;
+  int64_t o = begin;
+  for (; o + R <= end; o += R) tile<M, R>(w, x, x_stride, m0, o, y, n);
+  for (; o < end; ++o) tile<M, 1>(w, x, x_stride, m0, o, y, n);
+}
+#endif
+
+void scalar_rows(const Int8Weight& w, const float* x, int64_t x_stride, int64_t m0, int64_t rows, int64_t o, float* y,
+                 int64_t y_stride) {
+  for (int64_t m = m0; m < m0 + rows; ++m) {
+    float total = 0.f;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      float dot = 0.f;
+      for (int64_t i = g * w.group_size; i < (g + 1) * w.group_size; ++i)
+        dot += static_cast<float>(w.q[o * w.k + i]) * x[m * x_stride + i];
+      total += w.scales[o * w.groups + g] * dot;
+    }
+    y[m * y_stride + o] = total + (w.bias ? w.bias[o] : 0.f);
+  }
+}
+
+constexpr int kMaxRows = 4;  // activation rows per pass over a weight tile: M x R accumulators stay in registers
+
+}  // namespace
+
+at::Tensor int8_skinny_linear(at::Tensor x,       // [rows, in] float32, unit inner stride
+                              at::Tensor q,       // [out, in] int8, contiguous
+                              at::Tensor scales,  // [out, in / group_size] float32, contiguous
+                              int64_t group_size, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "int8_skinny_linear: x must be [rows, in] float32 with unit inner stride");
+  const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.dim() == 2 && q.size(1) == k,
+              "int8_skinny_linear: q must be a contiguous [out, in] int8 tensor");
+  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && k % group_size == 0,
+              "int8_skinny_linear: the group size must be a multiple of 16 dividing the input features");
+  const int64_t groups = k / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == n &&
+                  scales.size(1) == groups,
+              "int8_skinny_linear: scales must be contiguous float32 [out, in / group_size]");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "int8_skinny_linear: bias must be a contiguous float32 [out]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const Int8Weight w{q.data_ptr<int8_t>(), scales.data_ptr<float>(), bias_ptr, k, groups, group_size};
+  const float* x_ptr = x.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  auto y = at::empty({m, n}, x.options());
+  float* y_ptr = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(k, 1)) / 4 * 4;
+  // Blocks of outputs whose weights stay in L1/L2 while every pass of activation rows reads them: the
+  // weights come from memory once a call, whatever the row count.
+  const int64_t out_block = std::max<int64_t>(4, 32768 / std::max<int64_t>(k, 1)) / 4 * 4;
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t o0 = begin; o0 < end; o0 += out_block) {
+      const int64_t o1 = std::min(end, o0 + out_block);
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(m - m0, kMaxRows);
+#ifdef HEARTH_INT8_SIMD
+        switch (rows) {
+          case 1: tiles<1>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
+          case 2: tiles<2>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
+          case 3: tiles<3>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
+          default: tiles<4>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
+        }
+#else
+        for (int64_t o = o0; o < o1; ++o) scalar_rows(w, x_ptr, x_stride, m0, rows, o, y_ptr, n);
+#endif
+      }
+    }
+  });
+  return y;
+}
