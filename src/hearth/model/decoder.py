@@ -10,11 +10,14 @@ import torch
 from torch import nn
 
 from hearth.model.config import ModelConfig
+from hearth.model.fused_decode import DecodeStackRunner
+from hearth.model.fused_decode import enabled as fused_decode_enabled
 from hearth.model.layers import DecoderLayer, LayerOptions, Linear, RMSNorm
 from hearth.model.rotary import build_cos_sin_table
 from hearth.model.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from hearth.model.weights import ShardId
 from hearth.ops.attention import AttentionContext
+from hearth.ops.cpu_kernels import decode_stack_classes
 from hearth.ops.linear import LinearWeights, linear, prepare_linear_weights
 from hearth.parallel.state import recv_from_previous_stage, send_to_next_stage
 
@@ -124,6 +127,8 @@ class CausalLM(nn.Module):
         # last) is kept, concatenated in this order, in `aux_hidden` `[tokens, len * hidden]` after each forward.
         self.aux_hidden_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
+        # `hearth.model.fused_decode`: None until tried, False where this model cannot use it.
+        self._decode_stack_runner: DecodeStackRunner | None | bool = None
         self.embed_scale: float | None = None
 
     @classmethod
@@ -211,7 +216,10 @@ class CausalLM(nn.Module):
         aux_layers = self.aux_hidden_layers
         captured: dict[int, torch.Tensor] = {}
         last_rows = self._last_layer_rows(logits_indices, token_ids.shape[0])
-        for index in range(first, model.end_layer):
+        stack = None if aux_layers else self._decode_stack(ctx, hidden, cos, logits_indices)
+        if stack is not None:
+            hidden, residual = stack.run(hidden, cos, sin, ctx)
+        for index in range(first, model.end_layer) if stack is None else ():
             if aux_layers and index in aux_layers:  # a copy: the fused norms update the stream in place
                 captured[index] = hidden.clone() if residual is None else hidden + residual
             layer, layer_kv = model.layers[index], kv_pool.layer(index - first)
@@ -232,6 +240,25 @@ class CausalLM(nn.Module):
             residual = None if residual is None else residual[logits_indices]
         hidden = model.norm(hidden) if residual is None else model.norm.add_and_norm(hidden, residual)[0]
         return self._lm_head(hidden).float()
+
+    def _decode_stack(
+        self, ctx: AttentionContext, hidden: torch.Tensor, cos: torch.Tensor, logits_indices: torch.Tensor
+    ) -> DecodeStackRunner | None:
+        """The compiled all-layers decode (`hearth.model.fused_decode`) when this step qualifies; built on
+        the first CPU decode step once the kernels are ready (and rebuilt for another KV pool)."""
+        if hidden.device.type != "cpu" or not fused_decode_enabled():
+            return None
+        runner = self._decode_stack_runner
+        if runner is False:
+            return None
+        if runner is None or runner.kv_pool is not ctx.kv_pool:
+            runner = DecodeStackRunner.build(self.model, ctx.kv_pool)
+            if runner is None:
+                # Not this model's shape, or no kernels yet (tried again once they are built).
+                self._decode_stack_runner = False if decode_stack_classes() is not None else None
+                return None
+            self._decode_stack_runner = runner
+        return runner if runner.applies(ctx, hidden, cos, logits_indices.shape[0]) else None
 
     def _last_layer_rows(self, logits_indices: torch.Tensor, num_rows: int) -> torch.Tensor | None:
         """The rows the last layer must finish, when it may skip the others: in a prefill most rows only

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ _SOURCES = [
         "rotary_write_kv.cpp",
         "int4_skinny_linear.cpp",
         "int8_skinny_linear.cpp",
+        "decode_stack.cpp",
         "page_tags.cpp",
     )
 ]
@@ -71,6 +73,7 @@ _paged_decode_attention_fp8: Callable[..., object] | None = None
 _rotary_write_kv_fp8: Callable[..., object] | None = None
 _int4_skinny_linear: Callable[..., object] | None = None
 _int8_skinny_linear: Callable[..., object] | None = None
+_decode_stack_module: Any = None  # the extension module, for its DecodeStack / DecodeLinear classes
 _paged_decode_attention_bf16: Callable[..., object] | None = None
 _check_page_tags: Callable[..., list[int]] | None = None
 _build_thread: threading.Thread | None = None
@@ -243,6 +246,7 @@ def _build() -> None:
         _paged_decode_attention_fp8, \
         _rotary_write_kv_fp8
     global _int4_skinny_linear, _int8_skinny_linear, _paged_decode_attention_bf16, _check_page_tags
+    global _decode_stack_module
     try:
         from torch.utils.cpp_extension import load
 
@@ -268,6 +272,7 @@ def _build() -> None:
     _rotary_write_kv_fp8 = module.rotary_write_kv_fp8
     _int4_skinny_linear = module.int4_skinny_linear
     _int8_skinny_linear = module.int8_skinny_linear
+    _decode_stack_module = module
     _paged_decode_attention_bf16 = module.paged_decode_attention_bf16
     _check_page_tags = module.check_page_tags
     logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm, rotary + KV write)")
@@ -355,6 +360,13 @@ def int4_skinny_linear_kernel() -> Callable[..., object] | None:
 def int8_skinny_linear_kernel() -> Callable[..., object] | None:
     """`int8_skinny_linear(x, q, scales, group_size, bias=None)` once built; else None."""
     return _int8_skinny_linear
+
+
+def decode_stack_classes() -> tuple[Any, Any] | None:
+    """`(DecodeStack, DecodeLinear)` (`csrc/decode_stack.h`: every layer of a dense decode step in one call)
+    once built; else None."""
+    module = _decode_stack_module
+    return None if module is None else (module.DecodeStack, module.DecodeLinear)
 
 
 def paged_decode_attention_bf16_kernel() -> Callable[..., object] | None:

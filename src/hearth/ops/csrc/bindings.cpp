@@ -1,6 +1,8 @@
 // One extension module for every CPU kernel, so they build (and are cached) together.
 #include <torch/extension.h>
 
+#include "decode_stack.h"
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                      torch::Tensor page_table, torch::Tensor context_lens,
                                      torch::Tensor first_positions, int64_t page_size, double scale);
@@ -50,6 +52,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias") = pybind11::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows, optionally after adding a residual: (out, x + residual)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
+  pybind11::class_<DecodeLinear>(m, "DecodeLinear")
+      .def(pybind11::init([](int64_t kind, torch::Tensor a, std::optional<torch::Tensor> b,
+                             std::optional<torch::Tensor> c, int64_t group_size, bool int8_activations,
+                             std::optional<torch::Tensor> bias) {
+             TORCH_CHECK(kind >= DecodeLinear::kInt4 && kind <= DecodeLinear::kBf16, "DecodeLinear: unknown kind");
+             DecodeLinear linear;
+             linear.kind = kind;
+             linear.a = a;
+             linear.b = b.value_or(torch::Tensor());
+             linear.c = c.value_or(torch::Tensor());
+             linear.group_size = group_size;
+             linear.int8_activations = int8_activations;
+             linear.bias = bias;
+             return linear;
+           }),
+           pybind11::arg("kind"), pybind11::arg("a"), pybind11::arg("b") = pybind11::none(),
+           pybind11::arg("c") = pybind11::none(), pybind11::arg("group_size") = 0,
+           pybind11::arg("int8_activations") = false, pybind11::arg("bias") = pybind11::none());
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<>())
+      .def(
+          "add_layer",
+          [](DecodeStack& stack, torch::Tensor input_norm, torch::Tensor post_norm, double eps, DecodeLinear qkv,
+             DecodeLinear o, DecodeLinear gate_up, DecodeLinear down, torch::Tensor k_pool, torch::Tensor v_pool,
+             std::optional<torch::Tensor> k_scale, std::optional<torch::Tensor> v_scale, int64_t num_heads,
+             int64_t num_kv_heads, int64_t head_dim, double scale) {
+            stack.add_layer(DecodeLayer{input_norm, post_norm, eps, qkv, o, gate_up, down, k_pool, v_pool, k_scale,
+                                        v_scale, num_heads, num_kv_heads, head_dim, scale});
+          },
+          pybind11::arg("input_norm"), pybind11::arg("post_norm"), pybind11::arg("eps"), pybind11::arg("qkv"),
+          pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("k_pool"),
+          pybind11::arg("v_pool"), pybind11::arg("k_scale"), pybind11::arg("v_scale"), pybind11::arg("num_heads"),
+          pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"))
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward, pybind11::arg("hidden"), pybind11::arg("residual"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("slot_mapping"), pybind11::arg("page_table"), pybind11::arg("seq_lens"),
+           pybind11::arg("first_positions"), pybind11::arg("page_size"),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def(
       "check_page_tags",
       [](const torch::Tensor& pool_tags, const pybind11::list& page_table, const pybind11::list& expected,
