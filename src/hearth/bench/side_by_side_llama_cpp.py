@@ -407,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         f"batch 1 x {args.batch1_requests}; {args.concurrency} streams x {args.requests_per_stream}"
     )
     if args.hearth_args or args.hearth_env:
-        runner.note(f"hearth extra: {args.hearth_args} env {' '.join(args.hearth_env)}")
+        runner.note(f"hearth extra: args {args.hearth_args!r}; env {' '.join(args.hearth_env) or '-'}")
 
     results: dict[str, dict[str, list[float]]] = {engine: {} for engine in ENGINES}
     round_ratios: list[dict[str, float]] = []
