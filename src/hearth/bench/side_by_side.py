@@ -282,42 +282,53 @@ class Runner:
         return results
 
     def _wait_ready(self, url: str, server: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited ({server.returncode}) before it was ready: {url}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{url} was not ready in {timeout_s} s")
+        wait_ready(url, server, timeout_s)
 
     def _stop(self, server: subprocess.Popen[bytes], engine: str) -> None:
         # Hearth stops cleanly on SIGTERM; vLLM wants SIGINT and may leave workers behind (the recipe).
-        # Descendants are listed first, by pid: Hearth's engine core runs in a session of its own, so
-        # killing the server's process group alone could leave it running.
-        import psutil
+        stop_server(server, signal.SIGTERM if engine == "hearth" else signal.SIGINT)
 
+
+def wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    """Poll `url` until it answers 200; raise if the server exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited ({server.returncode}) before it was ready: {url}")
         try:
-            descendants = psutil.Process(server.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            descendants = []
-        try:
-            os.killpg(server.pid, signal.SIGTERM if engine == "hearth" else signal.SIGINT)
-            server.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
             pass
-        if server.poll() is None:
-            server.kill()
-        for process in descendants:
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-        server.wait()
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} was not ready in {timeout_s} s")
+
+
+def stop_server(server: subprocess.Popen[bytes], stop_signal: int = signal.SIGTERM) -> None:
+    """Stop a server started with `start_new_session=True` and everything it forked.
+
+    Descendants are listed first, by pid: Hearth's engine core runs in a session of its own, so
+    killing the server's process group alone could leave it running."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(server.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    try:
+        os.killpg(server.pid, stop_signal)
+        server.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    if server.poll() is None:
+        server.kill()
+    for process in descendants:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    server.wait()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
