@@ -87,13 +87,14 @@ def test_int4_linear_matches_float64_over_dequantized_weights(group, act_order, 
         xq[:, perm] = fake_quantized_activations(x[:, perm], group)
         torch.testing.assert_close(got, xq @ expected_w.t() + bias.double(), rtol=1e-4, atol=1e-4)
         assert (got - exact).abs().max() > 1e-3  # the activations really were rounded
-    x = torch.randn(INT4_MAX_ROWS + 3, k)  # more rows than the kernel takes: dequantized, exact
-    torch.testing.assert_close(
-        int4_linear(x, weights, bias).double(),
-        x.double() @ expected_w.t() + bias.double(),
-        rtol=1e-4,
-        atol=1e-4,
-    )
+    for rows in (INT4_MAX_ROWS + 3, 100):  # more rows than W4A8 takes (prefill): float activations, exact
+        x = torch.randn(rows, k)
+        torch.testing.assert_close(
+            int4_linear(x, weights, bias).double(),
+            x.double() @ expected_w.t() + bias.double(),
+            rtol=1e-4,
+            atol=1e-4,
+        )
 
 
 def test_int4_packing_round_trips_in_the_kernels_nibble_order():

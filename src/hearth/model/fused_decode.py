@@ -10,8 +10,8 @@ same order, so its tokens are the Python path's exactly.
 one pipeline stage, and projections the skinny kernels take (INT4, INT8, or a float32 weight with an exact
 bf16 copy). `run` then decides per step: decode rows only (no prefill chunk, no verify rows), every row
 sampled, one attention kind for every layer, the compiled decode attention chosen for the step, and at most
-`MAX_ROWS` rows (where the Python path's INT4 and bf16 linears also take their kernels, so both paths compute
-alike). Anything else runs the Python layers. `HEARTH_FUSED_DECODE=0` turns it off (to compare).
+`BF16_MAX_ROWS` rows where a projection is bf16 (where the Python path's bf16 linears also take their
+kernel, so both paths compute alike; INT4 and INT8 take theirs at every row count). Anything else runs the Python layers. `HEARTH_FUSED_DECODE=0` turns it off (to compare).
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from hearth.ops.int4 import INT4_MAX_ROWS, Int4Weights
 from hearth.ops.int8 import Int8Weights
 from hearth.ops.linear import BF16_MAX_ROWS
 
-MAX_ROWS = min(INT4_MAX_ROWS, BF16_MAX_ROWS)
-
 INT4, INT8, BF16 = 0, 1, 2  # `DecodeLinear::Kind`
 
 
@@ -40,35 +38,36 @@ def enabled() -> bool:
     return os.environ.get("HEARTH_FUSED_DECODE", "1") != "0"
 
 
-def _decode_linear(layer: Linear, linear_class: Any) -> Any | None:
-    """The kernel view of one projection, or None where the stack has no kernel for its weights."""
+def _decode_linear(layer: Linear, linear_class: Any) -> tuple[int, Any] | None:
+    """(kind, the kernel view) of one projection, or None where the stack has no kernel for its weights."""
     if getattr(layer, "int4_parts", None) is not None or layer.tp.size != 1:
         return None
     int4 = getattr(layer, "int4", None)
     if isinstance(int4, Int4Weights):
         if not int4.kernel_ok or int4.perm is not None:
             return None
-        return linear_class(
+        return INT4, linear_class(
             INT4,
             int4.packed,
             int4.scales,
             int4.zero_scaled,
-            int4.group_size,
-            int4.int8_activations,
-            layer.bias,
+            group_size=int4.group_size,
+            int8_activations=int4.int8_activations,
+            int8_activations_max_rows=INT4_MAX_ROWS,
+            bias=layer.bias,
         )
     int8 = getattr(layer, "int8", None)
     if isinstance(int8, Int8Weights):
         if int8.group_size % 16:
             return None
-        return linear_class(INT8, int8.q, int8.scales, None, int8.group_size, False, layer.bias)
+        return INT8, linear_class(INT8, int8.q, int8.scales, group_size=int8.group_size, bias=layer.bias)
     prepared = getattr(layer, "prepared", None)
     if (
         isinstance(layer.quant_method, UnquantizedLinearMethod)
         and prepared is not None
         and prepared.bf16 is not None
     ):
-        return linear_class(BF16, prepared.bf16, None, None, 0, False, layer.bias)
+        return BF16, linear_class(BF16, prepared.bf16, bias=layer.bias)
     return None
 
 
@@ -101,8 +100,11 @@ def _plain_layer(layer: nn.Module) -> bool:
 class DecodeStackRunner:
     """A model's `DecodeStack` and the pool it was built over."""
 
-    def __init__(self, stack: Any, kv_pool: Any, k_pool_ptr: int, head_dim: int) -> None:
+    def __init__(
+        self, stack: Any, kv_pool: Any, k_pool_ptr: int, head_dim: int, max_rows: int | None
+    ) -> None:
         self.stack = stack
+        self.max_rows = max_rows
         self.kv_pool = kv_pool
         self.k_pool_ptr = k_pool_ptr  # a pool rebuilt under the same object is another pool
         self.head_dim = head_dim
@@ -118,6 +120,7 @@ class DecodeStackRunner:
             return None
         stack = stack_class()
         head_dims = set()
+        kinds: set[int] = set()
         for index in range(model.first_layer, model.end_layer):
             layer = model.layers[index]
             if not _plain_layer(layer):
@@ -130,6 +133,7 @@ class DecodeStackRunner:
             ]
             if any(linear is None for linear in linears):
                 return None
+            kinds.update(kind for kind, _ in linears)
             k_pool, v_pool = kv_pool.layer(attn.layer_index)
             scales = kv_pool.kv_scales(attn.layer_index)
             if k_pool.dtype != torch.float32 and scales is None:
@@ -140,7 +144,7 @@ class DecodeStackRunner:
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
                 layer.input_layernorm.eps,
-                *linears,
+                *(linear for _, linear in linears),
                 k_pool,
                 v_pool,
                 None if scales is None else scales[0],
@@ -152,7 +156,8 @@ class DecodeStackRunner:
             )
         if len(head_dims) != 1:
             return None
-        return cls(stack, kv_pool, kv_pool.layer(0)[0].data_ptr(), head_dims.pop())
+        max_rows = BF16_MAX_ROWS if BF16 in kinds else None
+        return cls(stack, kv_pool, kv_pool.layer(0)[0].data_ptr(), head_dims.pop(), max_rows)
 
     def applies(
         self, ctx: AttentionContext, hidden: torch.Tensor, cos: torch.Tensor, num_sampled: int
@@ -164,7 +169,7 @@ class DecodeStackRunner:
             and ctx.kv_pool is self.kv_pool
             and self.kv_pool.layer(0)[0].data_ptr() == self.k_pool_ptr
             and hidden.dtype == torch.float32
-            and rows <= MAX_ROWS
+            and (self.max_rows is None or rows <= self.max_rows)
             and num_sampled == rows
             and isinstance(md, TorchMetadata)
             and md.per_layer is None

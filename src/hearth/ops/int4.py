@@ -4,15 +4,17 @@ A weight `[out, in]` is `w[o, i] = (q[o, i] - zero[o, g]) * scale[o, g]` with `q
 group_size`. Act-order checkpoints (GPTQ `desc_act`, a `g_idx` per input column) are handled by sorting the
 input columns by group once at load: `perm` reorders the activations' features to match.
 
-- Up to `INT4_MAX_ROWS` rows (decode): the compiled `int4_skinny_linear` kernel reads the packed nibbles
-  (~3.5x fewer bytes than bf16). A checkpoint that ships INT4 (GPTQ, AWQ, compressed-tensors, GGUF) runs with
-  its own numerics by default: float32 activations (W4A16, as vLLM's Marlin path), so its tokens are the
-  dequantized reference's. `--quantization int4` (Hearth's own RTN rounding, no reference to match) rounds
-  the activations to int8 per (row, group) and takes an integer dot by default (W4A8, as llama.cpp's Q4 x
-  Q8): in cache the float unpack, not the bytes, bounded the float kernel. `HEARTH_INT4_ACTIVATIONS=int8|float`
-  sets it for every INT4 layer (W4A8 on a checkpoint is an explicit opt-in; docs/quantization.md has its cost).
-- More rows (prefill) or no kernel: the weight is dequantized to float32 for the call and multiplied by
-  oneDNN/MKL; the arithmetic dominates there, and nothing float-sized is kept between calls.
+- Every row count of float32 CPU activations runs on the compiled `int4_skinny_linear` kernel, which reads the
+  packed nibbles (~3.5x fewer bytes than bf16) and unpacks each block of weights once for a pass of up to 8
+  rows: ~190-215 GFLOP/s on 2 AVX-512 cores at 16-256 rows, where dequantizing the weight for a oneDNN GEMM
+  cost 1.2-7x the kernel's time (the unpack dominated, not the product). A checkpoint that ships INT4 (GPTQ,
+  AWQ, compressed-tensors, GGUF) runs with its own numerics by default: float32 activations (W4A16, as vLLM's
+  Marlin path), so its tokens are the dequantized reference's. `--quantization int4` (Hearth's own RTN
+  rounding, no reference to match) rounds the activations to int8 per (row, group) and takes an integer dot
+  by default (W4A8, as llama.cpp's Q4 x Q8) for up to `INT4_MAX_ROWS` rows (decode), float activations above
+  (prefill, where the arithmetic, not the bytes, bounds it). `HEARTH_INT4_ACTIVATIONS=int8|float` sets it for
+  every INT4 layer (W4A8 on a checkpoint is an explicit opt-in; docs/quantization.md has its cost).
+- No kernel (not built yet, another device or dtype): the weight is dequantized for the call and multiplied.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from hearth.ops.cpu_kernels import int4_skinny_linear_kernel
 
-INT4_MAX_ROWS = 16
+INT4_MAX_ROWS = 16  # W4A8 (int8 activations) up to this many rows; float activations above
 BLOCK = 64  # weights per packed block (the kernel's unit)
 
 
@@ -117,8 +119,7 @@ def dequantize_int4(weights: Int4Weights) -> torch.Tensor:
 
 
 def int4_linear(x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.shape[0]
-    if rows <= INT4_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" and weights.kernel_ok:
+    if x.dtype == torch.float32 and x.device.type == "cpu" and weights.kernel_ok:
         kernel = int4_skinny_linear_kernel()
         if kernel is not None:
             xs = x if weights.perm is None else x.index_select(1, weights.perm)
@@ -129,7 +130,7 @@ def int4_linear(x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None
                 weights.zero_scaled,
                 weights.group_size,
                 bias,
-                weights.int8_activations,
+                weights.int8_activations and x.shape[0] <= INT4_MAX_ROWS,
             )
     return F.linear(x, dequantize_int4(weights).to(x.dtype), bias)
 

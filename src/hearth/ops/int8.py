@@ -1,10 +1,11 @@
 """INT8 weights with a scale per group of input features (GGUF's Q8_0: `w = d * q`, 32 weights per scale).
 
-Up to `INT8_MAX_ROWS` float32 rows on CPU run on the compiled `int8_skinny_linear` kernel, which widens the
-int8 weights in registers and multiplies them with the float activations (the file's weights exactly, a
-quarter of float32's bytes read). Otherwise (more rows, no kernel, another device) each call dequantizes the
-weight to the activations' dtype and multiplies: the products are the format's own either way, so the result
-is the dequantized reference's up to summation order.
+float32 rows on CPU run on the compiled `int8_skinny_linear` kernel, which widens the int8 weights in
+registers and multiplies them with the float activations (the file's weights exactly, a quarter of float32's
+bytes read; blocks of outputs stay in cache across passes of rows, so many rows cost arithmetic, not bytes).
+Otherwise (no kernel, another device or dtype) each call dequantizes the weight to the activations' dtype and
+multiplies: the products are the format's own either way, so the result is the dequantized reference's up to
+summation order.
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from hearth.ops.cpu_kernels import int8_skinny_linear_kernel
-
-# The kernel reads the weights once a call whatever the rows (blocks of outputs stay in cache across passes
-# of rows); past this a dequantized GEMM's arithmetic wins.
-INT8_MAX_ROWS = 64
 
 
 @dataclass
@@ -41,8 +38,7 @@ def dequantize_int8(weights: Int8Weights) -> torch.Tensor:
 
 def int8_linear(x: torch.Tensor, weights: Int8Weights, bias: torch.Tensor | None) -> torch.Tensor:
     if (
-        x.shape[0] <= INT8_MAX_ROWS
-        and x.dtype == torch.float32
+        x.dtype == torch.float32
         and x.device.type == "cpu"
         and weights.group_size % 16 == 0
         and (kernel := int8_skinny_linear_kernel()) is not None

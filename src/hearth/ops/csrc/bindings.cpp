@@ -55,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeLinear>(m, "DecodeLinear")
       .def(pybind11::init([](int64_t kind, torch::Tensor a, std::optional<torch::Tensor> b,
                              std::optional<torch::Tensor> c, int64_t group_size, bool int8_activations,
-                             std::optional<torch::Tensor> bias) {
+                             int64_t int8_activations_max_rows, std::optional<torch::Tensor> bias) {
              TORCH_CHECK(kind >= DecodeLinear::kInt4 && kind <= DecodeLinear::kBf16, "DecodeLinear: unknown kind");
              DecodeLinear linear;
              linear.kind = kind;
@@ -64,12 +64,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              linear.c = c.value_or(torch::Tensor());
              linear.group_size = group_size;
              linear.int8_activations = int8_activations;
+             linear.int8_activations_max_rows = int8_activations_max_rows;
              linear.bias = bias;
              return linear;
            }),
            pybind11::arg("kind"), pybind11::arg("a"), pybind11::arg("b") = pybind11::none(),
            pybind11::arg("c") = pybind11::none(), pybind11::arg("group_size") = 0,
-           pybind11::arg("int8_activations") = false, pybind11::arg("bias") = pybind11::none());
+           pybind11::arg("int8_activations") = false, pybind11::arg("int8_activations_max_rows") = 0,
+           pybind11::arg("bias") = pybind11::none());
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<>())
       .def(

@@ -35,7 +35,9 @@ at::Tensor paged_decode_attention_fp8(at::Tensor q, at::Tensor k_pool, at::Tenso
 at::Tensor DecodeLinear::operator()(const at::Tensor& x) const {
   switch (kind) {
     case kInt4:
-      return int4_skinny_linear(x, a, b, c, group_size, bias, int8_activations);
+      // As `hearth.ops.int4.int4_linear` chooses, so both paths compute alike.
+      return int4_skinny_linear(x, a, b, c, group_size, bias,
+                                int8_activations && x.size(0) <= int8_activations_max_rows);
     case kInt8:
       return int8_skinny_linear(x, a, b, group_size, bias);
     case kBf16:

@@ -13,7 +13,8 @@ struct DecodeLinear {
   int64_t kind = kInt4;
   at::Tensor a, b, c;  // int4: packed, scales, zero_scaled; int8: q, scales; bf16: weight
   int64_t group_size = 0;
-  bool int8_activations = false;
+  bool int8_activations = false;  // W4A8, for up to `int8_activations_max_rows` rows (float activations above)
+  int64_t int8_activations_max_rows = 0;
   std::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x) const;

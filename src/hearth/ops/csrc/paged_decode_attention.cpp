@@ -17,38 +17,38 @@
 
 namespace {
 
-// Keys and values come through `load(slot, which) -> const float*`: the float32 pool's row in place,
-// or an FP8 row dequantized into a scratch buffer (per-head scales applied).
+// Keys and values come through `load(slot, which, kv_head) -> const float*`: that head's `dim` values of the
+// slot, the float32 pool's in place, or an FP8/bf16 head widened into a scratch buffer (FP8: its scale applied).
 template <typename LoadRow>
 void decode_rows(const float* q_ptr, float* o_ptr, const int64_t* table, const int64_t* lens, const int64_t* firsts,
                  int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_pages, int64_t page_size,
                  float fscale, const LoadRow& make_loader) {
   const int64_t group = heads / kv_heads;
-  // One sequence per work item: each key slot's heads are contiguous, so reading all of them
-  // together walks memory in order instead of striding through it once per head.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  // One (sequence, KV head) per work item: at batch 1 a sequence alone would keep one core busy and the other
+  // idle. An item reads its KV head's rows of each key slot and serves the query heads that share it.
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     auto load = make_loader();
     std::vector<float> scores;
-    std::vector<float> acc(heads * dim);
-    for (int64_t b = begin; b < end; ++b) {
+    std::vector<float> acc(group * dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, kv_head = item % kv_heads;
       const int64_t first = firsts[b];
       const int64_t num_keys = lens[b] - first;
-      scores.resize(heads * num_keys);
-      const float* qb = q_ptr + b * heads * dim;
+      scores.resize(group * num_keys);
+      const float* qb = q_ptr + (b * heads + kv_head * group) * dim;  // this KV head's query heads
       const int64_t* pages = table + b * max_pages;
       for (int64_t i = 0; i < num_keys; ++i) {
         const int64_t pos = first + i;
-        const float* key = load(pages[pos / page_size] * page_size + pos % page_size, 0);
-        for (int64_t head = 0; head < heads; ++head) {
-          const float* qh = qb + head * dim;
-          const float* kh = key + (head / group) * dim;
+        const float* key = load(pages[pos / page_size] * page_size + pos % page_size, 0, kv_head);
+        for (int64_t h = 0; h < group; ++h) {
+          const float* qh = qb + h * dim;
           float dot = 0.0f;
-          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
-          scores[head * num_keys + i] = dot * fscale;
+          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * key[d];
+          scores[h * num_keys + i] = dot * fscale;
         }
       }
-      for (int64_t head = 0; head < heads; ++head) {
-        float* s = scores.data() + head * num_keys;
+      for (int64_t h = 0; h < group; ++h) {
+        float* s = scores.data() + h * num_keys;
         float max_score = s[0];
         for (int64_t i = 1; i < num_keys; ++i) max_score = std::max(max_score, s[i]);
         float total = 0.0f;
@@ -62,15 +62,14 @@ void decode_rows(const float* q_ptr, float* o_ptr, const int64_t* table, const i
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t i = 0; i < num_keys; ++i) {
         const int64_t pos = first + i;
-        const float* value = load(pages[pos / page_size] * page_size + pos % page_size, 1);
-        for (int64_t head = 0; head < heads; ++head) {
-          const float w = scores[head * num_keys + i];
-          const float* vh = value + (head / group) * dim;
-          float* a = acc.data() + head * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += w * vh[d];
+        const float* value = load(pages[pos / page_size] * page_size + pos % page_size, 1, kv_head);
+        for (int64_t h = 0; h < group; ++h) {
+          const float w = scores[h * num_keys + i];
+          float* a = acc.data() + h * dim;
+          for (int64_t d = 0; d < dim; ++d) a[d] += w * value[d];
         }
       }
-      std::copy(acc.begin(), acc.end(), o_ptr + b * heads * dim);
+      std::copy(acc.begin(), acc.end(), o_ptr + (b * heads + kv_head * group) * dim);
     }
   });
 }
@@ -102,7 +101,9 @@ at::Tensor paged_decode_attention(
   const float* v_ptr = v_pool.data_ptr<float>();
   const int64_t row = kv_heads * dim;
   auto make_loader = [&]() {
-    return [=](int64_t slot, int which) { return (which == 0 ? k_ptr : v_ptr) + slot * row; };
+    return [=](int64_t slot, int which, int64_t kv_head) {
+      return (which == 0 ? k_ptr : v_ptr) + slot * row + kv_head * dim;
+    };
   };
   decode_rows(q.data_ptr<float>(), out.data_ptr<float>(), page_table.data_ptr<int64_t>(),
               context_lens.data_ptr<int64_t>(), first_positions.data_ptr<int64_t>(), q.size(0), q.size(1), kv_heads,
@@ -135,17 +136,14 @@ at::Tensor paged_decode_attention_fp8(
   const float* ks = k_scale.data_ptr<float>();
   const float* vs = v_scale.data_ptr<float>();
   const int64_t row = kv_heads * dim;
-  // Each work item dequantizes one slot's row (all KV heads) into its own buffer before using it: the
-  // pool is read once, at half the bytes of bf16, and the float loops stay as they are.
+  // Each work item dequantizes its KV head of a slot into its own buffer before using it: the pool is read
+  // once, at half the bytes of bf16, and the float loops stay as they are.
   auto make_loader = [&]() {
-    return [=, buffer = std::vector<float>(row)](int64_t slot, int which) mutable -> const float* {
-      const uint8_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row;
-      const float* scales = which == 0 ? ks : vs;
+    return [=, buffer = std::vector<float>(dim)](int64_t slot, int which, int64_t kv_head) mutable -> const float* {
+      const uint8_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row + kv_head * dim;
+      const float s = (which == 0 ? ks : vs)[kv_head];
       float* dst = buffer.data();
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const float s = scales[h];
-        for (int64_t d = 0; d < dim; ++d) dst[h * dim + d] = hearth::fp8_e4m3_to_float(src[h * dim + d]) * s;
-      }
+      for (int64_t d = 0; d < dim; ++d) dst[d] = hearth::fp8_e4m3_to_float(src[d]) * s;
       return dst;
     };
   };
@@ -156,7 +154,7 @@ at::Tensor paged_decode_attention_fp8(
 }
 
 // bf16 pools (a bf16 model on a CPU with bf16 math, issue 11): each slot's row is widened to float32
-// into the work item's buffer as it is read (a bf16 value is the top half of a float32), so the pool
+// (the work item's KV head) into its buffer as it is read (a bf16 value is the top half of a float32), so the pool
 // is read in place at half the bytes of float32 and the float loops stay as they are. Queries and the
 // output are float32 (the caller widens the bf16 queries, [n, heads, dim], which costs nothing next to the pool).
 at::Tensor paged_decode_attention_bf16(
@@ -177,10 +175,10 @@ at::Tensor paged_decode_attention_bf16(
   const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(v_pool.data_ptr());
   const int64_t row = kv_heads * dim;
   auto make_loader = [&]() {
-    return [=, buffer = std::vector<float>(row)](int64_t slot, int which) mutable -> const float* {
-      const uint16_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row;
+    return [=, buffer = std::vector<float>(dim)](int64_t slot, int which, int64_t kv_head) mutable -> const float* {
+      const uint16_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row + kv_head * dim;
       float* dst = buffer.data();
-      for (int64_t i = 0; i < row; ++i) {
+      for (int64_t i = 0; i < dim; ++i) {
         const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
         std::memcpy(dst + i, &bits, sizeof(float));
       }
