@@ -5,6 +5,8 @@
 #   scripts/bench_side_by_side.sh OUT [BASE_SRC] [VLLM_DTYPE]
 #     BASE_SRC: the src/ directory of the other checkout (e.g. a `git worktree` of the previous main)
 #     VLLM_DTYPE: float32 on AVX2-only CPUs, bfloat16 where lscpu shows avx512_bf16 / amx_bf16
+#   MODEL=DIR (default the bench model) is what vLLM serves; HEARTH_MODEL (default MODEL) what Hearth serves,
+#   e.g. MODEL=/tmp/smollm2-dense (scripts/gguf_to_dense.py) HEARTH_MODEL=smollm2 (the same weights' GGUF).
 # Needs /tmp/bench-models (../shared/peers/make_bench_models.py) and /tmp/vllm-venv (../shared/peers/vllm-cpu.md).
 set -euo pipefail
 out=${1:?usage: $0 OUT [BASE_SRC] [VLLM_DTYPE]}
@@ -12,7 +14,8 @@ base_src=${2:-}
 vllm_dtype=${3:-float32}
 root=$(cd "$(dirname "$0")/.." && pwd)
 py="$root/.venv/bin/python"
-model=/tmp/bench-models/llama-tiny-rand
+model=${MODEL:-/tmp/bench-models/llama-tiny-rand}
+hearth_model=${HEARTH_MODEL:-$model}
 prompts=/tmp/bench-models/prompts_64x128.json
 mkdir -p "$out"
 lscpu | grep -E 'Model name' >"$out/cpu.txt"
@@ -41,15 +44,15 @@ hearth_round() {  # label src
   # Each checkout compiles its own CPU kernels; the offline run builds them before the server starts.
   export TORCH_EXTENSIONS_DIR=/tmp/hearth-kernels-$1
   for n in 64 1; do
-    PYTHONPATH="$2" "$py" -m hearth.cli bench offline --model "$model" --num-prompts "$n" --input-len 128 \
+    PYTHONPATH="$2" "$py" -m hearth.cli bench offline --model "$hearth_model" --num-prompts "$n" --input-len 128 \
       --output-len 128 --prompts-file "$prompts" --output-json "$out/$1-offline-bs$n.json" \
       >"$out/$1-offline-bs$n.log" 2>&1
   done
-  PYTHONPATH="$2" "$py" -m hearth.cli serve --model "$model" --port 17300 --max-model-len 2048 \
+  PYTHONPATH="$2" "$py" -m hearth.cli serve --model "$hearth_model" --port 17300 --max-model-len 2048 \
     >"$out/$1-server.log" 2>&1 &
   local pid=$!
   wait_ready http://127.0.0.1:17300
-  serve_bench "$1" http://127.0.0.1:17300 llama-tiny-rand
+  serve_bench "$1" http://127.0.0.1:17300 "$(basename "$hearth_model")"
   kill -TERM "$pid"
   wait "$pid" || true
 }

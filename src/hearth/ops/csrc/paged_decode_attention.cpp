@@ -17,37 +17,42 @@
 
 namespace {
 
-// Keys and values come through `load(slot, which, kv_head) -> const float*`: that head's `dim` values of the
-// slot, the float32 pool's in place, or an FP8/bf16 head widened into a scratch buffer (FP8: its scale applied).
+// Keys and values come through `load(slot, which, kv_begin, kv_count) -> const float*`: those KV heads' values
+// of the slot, the float32 pool's in place, or FP8/bf16 ones widened into a scratch buffer (FP8: scales applied).
 template <typename LoadRow>
 void decode_rows(const float* q_ptr, float* o_ptr, const int64_t* table, const int64_t* lens, const int64_t* firsts,
                  int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_pages, int64_t page_size,
                  float fscale, const LoadRow& make_loader) {
   const int64_t group = heads / kv_heads;
-  // One (sequence, KV head) per work item: at batch 1 a sequence alone would keep one core busy and the other
-  // idle. An item reads its KV head's rows of each key slot and serves the query heads that share it.
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A work item is a sequence's KV heads [kv_begin, kv_end): all of them when there are enough sequences for
+  // every thread (a key slot's heads are contiguous, so reading them together walks memory in order), one
+  // each when there are fewer (at batch 1 a whole sequence would keep one core busy and the others idle).
+  const int64_t split = n < at::get_num_threads() ? kv_heads : 1;
+  const int64_t per_item = kv_heads / split;
+  at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
     auto load = make_loader();
     std::vector<float> scores;
-    std::vector<float> acc(group * dim);
+    std::vector<float> acc(per_item * group * dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, kv_head = item % kv_heads;
+      const int64_t b = item / split, kv_begin = (item % split) * per_item;
+      const int64_t item_heads = per_item * group;
       const int64_t first = firsts[b];
       const int64_t num_keys = lens[b] - first;
-      scores.resize(group * num_keys);
-      const float* qb = q_ptr + (b * heads + kv_head * group) * dim;  // this KV head's query heads
+      scores.resize(item_heads * num_keys);
+      const float* qb = q_ptr + (b * heads + kv_begin * group) * dim;  // the query heads of these KV heads
       const int64_t* pages = table + b * max_pages;
       for (int64_t i = 0; i < num_keys; ++i) {
         const int64_t pos = first + i;
-        const float* key = load(pages[pos / page_size] * page_size + pos % page_size, 0, kv_head);
-        for (int64_t h = 0; h < group; ++h) {
+        const float* key = load(pages[pos / page_size] * page_size + pos % page_size, 0, kv_begin, per_item);
+        for (int64_t h = 0; h < item_heads; ++h) {
           const float* qh = qb + h * dim;
+          const float* kh = key + (h / group) * dim;
           float dot = 0.0f;
-          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * key[d];
+          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
           scores[h * num_keys + i] = dot * fscale;
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
+      for (int64_t h = 0; h < item_heads; ++h) {
         float* s = scores.data() + h * num_keys;
         float max_score = s[0];
         for (int64_t i = 1; i < num_keys; ++i) max_score = std::max(max_score, s[i]);
@@ -62,14 +67,15 @@ void decode_rows(const float* q_ptr, float* o_ptr, const int64_t* table, const i
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t i = 0; i < num_keys; ++i) {
         const int64_t pos = first + i;
-        const float* value = load(pages[pos / page_size] * page_size + pos % page_size, 1, kv_head);
-        for (int64_t h = 0; h < group; ++h) {
+        const float* value = load(pages[pos / page_size] * page_size + pos % page_size, 1, kv_begin, per_item);
+        for (int64_t h = 0; h < item_heads; ++h) {
           const float w = scores[h * num_keys + i];
+          const float* vh = value + (h / group) * dim;
           float* a = acc.data() + h * dim;
-          for (int64_t d = 0; d < dim; ++d) a[d] += w * value[d];
+          for (int64_t d = 0; d < dim; ++d) a[d] += w * vh[d];
         }
       }
-      std::copy(acc.begin(), acc.end(), o_ptr + (b * heads + kv_head * group) * dim);
+      std::copy(acc.begin(), acc.end(), o_ptr + (b * heads + kv_begin * group) * dim);
     }
   });
 }
@@ -101,8 +107,8 @@ at::Tensor paged_decode_attention(
   const float* v_ptr = v_pool.data_ptr<float>();
   const int64_t row = kv_heads * dim;
   auto make_loader = [&]() {
-    return [=](int64_t slot, int which, int64_t kv_head) {
-      return (which == 0 ? k_ptr : v_ptr) + slot * row + kv_head * dim;
+    return [=](int64_t slot, int which, int64_t kv_begin, int64_t) {
+      return (which == 0 ? k_ptr : v_ptr) + slot * row + kv_begin * dim;
     };
   };
   decode_rows(q.data_ptr<float>(), out.data_ptr<float>(), page_table.data_ptr<int64_t>(),
@@ -136,14 +142,18 @@ at::Tensor paged_decode_attention_fp8(
   const float* ks = k_scale.data_ptr<float>();
   const float* vs = v_scale.data_ptr<float>();
   const int64_t row = kv_heads * dim;
-  // Each work item dequantizes its KV head of a slot into its own buffer before using it: the pool is read
+  // Each work item dequantizes its KV heads of a slot into its own buffer before using them: the pool is read
   // once, at half the bytes of bf16, and the float loops stay as they are.
   auto make_loader = [&]() {
-    return [=, buffer = std::vector<float>(dim)](int64_t slot, int which, int64_t kv_head) mutable -> const float* {
-      const uint8_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row + kv_head * dim;
-      const float s = (which == 0 ? ks : vs)[kv_head];
+    return [=, buffer = std::vector<float>(row)](int64_t slot, int which, int64_t kv_begin,
+                                                 int64_t kv_count) mutable -> const float* {
+      const uint8_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row;
+      const float* scales = which == 0 ? ks : vs;
       float* dst = buffer.data();
-      for (int64_t d = 0; d < dim; ++d) dst[d] = hearth::fp8_e4m3_to_float(src[d]) * s;
+      for (int64_t h = kv_begin; h < kv_begin + kv_count; ++h) {
+        const float s = scales[h];
+        for (int64_t d = 0; d < dim; ++d) dst[(h - kv_begin) * dim + d] = hearth::fp8_e4m3_to_float(src[h * dim + d]) * s;
+      }
       return dst;
     };
   };
@@ -154,7 +164,7 @@ at::Tensor paged_decode_attention_fp8(
 }
 
 // bf16 pools (a bf16 model on a CPU with bf16 math, issue 11): each slot's row is widened to float32
-// (the work item's KV head) into its buffer as it is read (a bf16 value is the top half of a float32), so the pool
+// (the work item's KV heads) into its buffer as it is read (a bf16 value is the top half of a float32), so the pool
 // is read in place at half the bytes of float32 and the float loops stay as they are. Queries and the
 // output are float32 (the caller widens the bf16 queries, [n, heads, dim], which costs nothing next to the pool).
 at::Tensor paged_decode_attention_bf16(
@@ -175,10 +185,11 @@ at::Tensor paged_decode_attention_bf16(
   const uint16_t* v_ptr = reinterpret_cast<const uint16_t*>(v_pool.data_ptr());
   const int64_t row = kv_heads * dim;
   auto make_loader = [&]() {
-    return [=, buffer = std::vector<float>(dim)](int64_t slot, int which, int64_t kv_head) mutable -> const float* {
-      const uint16_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row + kv_head * dim;
+    return [=, buffer = std::vector<float>(row)](int64_t slot, int which, int64_t kv_begin,
+                                                 int64_t kv_count) mutable -> const float* {
+      const uint16_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row + kv_begin * dim;
       float* dst = buffer.data();
-      for (int64_t i = 0; i < dim; ++i) {
+      for (int64_t i = 0; i < kv_count * dim; ++i) {
         const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
         std::memcpy(dst + i, &bits, sizeof(float));
       }
