@@ -11,6 +11,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include "skinny_linear.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -114,8 +116,32 @@ void rows(const float* x, int64_t x_stride, const uint16_t* w, int64_t k, float*
 
 constexpr int64_t kMaxTileRows = 8;
 
+// Outputs [begin, end) of every row into y (row stride y_stride).
+void run_range(const float* x_ptr, int64_t x_stride, int64_t m, const uint16_t* w_ptr, int64_t k, const float* bias_ptr,
+               float* y_ptr, int64_t n, int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m; m0 += kMaxTileRows) {
+      const float* xb = x_ptr + m0 * x_stride;
+      float* yb = y_ptr + m0 * n;
+      switch (std::min(m - m0, kMaxTileRows)) {
+        // Accumulators (U * R * M) and weight vectors within the 16 AVX2 vector registers.
+        case 1: rows<1, 1, 8>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 2: rows<1, 2, 4>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 3: rows<1, 3, 4>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 4: rows<1, 4, 2>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 5: rows<1, 5, 2>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 6: rows<1, 6, 2>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        case 7: rows<1, 7, 1>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+        default: rows<1, 8, 1>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
+      }
+    }
+}
 
 }  // namespace
+
+void hearth::bf16_linear_range(const float* x, int64_t x_stride, int64_t m, const Bf16WeightView& view, float* y,
+                               int64_t y_stride, int64_t begin, int64_t end) {
+  run_range(x, x_stride, m, view.weight, view.k, view.bias, y, y_stride, begin, end);
+}
 
 at::Tensor bf16_skinny_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -138,21 +164,7 @@ at::Tensor bf16_skinny_linear(at::Tensor x, at::Tensor weight, std::optional<at:
   // Split the output features among threads; each thread streams its own slice of the weight.
   const int64_t grain = std::max<int64_t>(16, 32768 / std::max<int64_t>(k, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < m; m0 += kMaxTileRows) {
-      const float* xb = x_ptr + m0 * x_stride;
-      float* yb = y_ptr + m0 * n;
-      switch (std::min(m - m0, kMaxTileRows)) {
-        // Accumulators (U * R * M) and weight vectors within the 16 AVX2 vector registers.
-        case 1: rows<1, 1, 8>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-        case 2: rows<1, 2, 4>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-        case 3: rows<1, 3, 4>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-        case 4: rows<1, 4, 2>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-        case 5: rows<1, 5, 2>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-        case 6: rows<1, 6, 2>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-        case 7: rows<1, 7, 1>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-        default: rows<1, 8, 1>(xb, x_stride, w_ptr, k, yb, n, bias_ptr, begin, end); break;
-      }
-    }
+    run_range(x_ptr, x_stride, m, w_ptr, k, bias_ptr, y_ptr, n, begin, end);
   });
   return y;
 }

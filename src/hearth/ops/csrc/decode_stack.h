@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "skinny_linear.h"
+
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -18,6 +20,17 @@ struct DecodeLinear {
   std::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x) const;
+  // Pointers into the tensors above for `run_range` (set by `DecodeStack::add_layer`, after the checks).
+  void bind();
+  // Outputs [begin, end) of `x`'s projection (m rows, contiguous) into `y` (row stride y_stride).
+  void run_range(const float* x, int64_t m, float* y, int64_t y_stride, int64_t begin, int64_t end) const;
+  int64_t out_features() const { return a.size(0); }
+  int64_t in_features() const;
+
+ private:
+  hearth::Int4WeightView int4_{};
+  hearth::Int8WeightView int8_{};
+  hearth::Bf16WeightView bf16_{};
 };
 
 // A pre-norm Llama-family decoder layer: RMSNorm, fused q/k/v, full-width rotate-half RoPE, paged attention,

@@ -27,6 +27,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "skinny_linear.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -373,50 +375,16 @@ void scalar_rows(const Weight& w, const float* x, int64_t x_stride, const Quanti
 
 }  // namespace
 
-at::Tensor int4_skinny_linear(at::Tensor x,            // [rows, in] float32, unit inner stride
-                              at::Tensor packed,       // [out, in / 2] uint8 (layout above)
-                              at::Tensor scales,       // [out, groups] float32
-                              at::Tensor zero_scaled,  // [out, groups] float32: zero point x scale
-                              int64_t group_size, std::optional<at::Tensor> bias, bool int8_activations) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "int4_skinny_linear: x must be [rows, in] float32 with unit inner stride");
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) * 2 == k,
-              "int4_skinny_linear: packed must be a contiguous [out, in / 2] uint8 tensor");
-  TORCH_CHECK(group_size % kHalf == 0 && k % group_size == 0 && k % kBlock == 0,
-              "int4_skinny_linear: in must be a multiple of 64 and of the group size, itself a multiple of 32");
-  const int64_t groups = k / group_size;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && zero_scaled.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  zero_scaled.is_contiguous() && scales.size(0) == n && scales.size(1) == groups &&
-                  zero_scaled.sizes() == scales.sizes(),
-              "int4_skinny_linear: scales and zero_scaled must be contiguous float32 [out, in / group_size]");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "int4_skinny_linear: bias must be a contiguous float32 [out]");
-    bias_ptr = bias->data_ptr<float>();
-  }
-  const Weight w{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), zero_scaled.data_ptr<float>(), bias_ptr,
-                 k, groups, group_size};
-  const float* x_ptr = x.data_ptr<float>();
-  const int64_t x_stride = x.stride(0);
-  QuantizedRows xq;
-  std::vector<float> xsum;
-  if (int8_activations) {
-    xq = quantize_rows(x_ptr, x_stride, m, k, group_size);
-  } else {
-    xsum.assign(m * groups, 0.f);  // each row's sum per group, for the zero-point term
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t i = 0; i < k; ++i) xsum[r * groups + i / group_size] += x_ptr[r * x_stride + i];
-  }
-  auto y = at::empty({m, n}, x.options());
-  float* y_ptr = y.data_ptr<float>();
-  // Chunks of whole 4-row tiles, big enough that a thread's share amortizes the fork.
-  const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(k, 1)) / 4 * 4;
+namespace {
+
+// Outputs [begin, end) of every row, into y (row stride y_stride), activations prepared (`xq` or `xsum`).
+void run_range(const Weight& w, const float* x_ptr, int64_t x_stride, int64_t m, const QuantizedRows& xq,
+               const std::vector<float>& xsum, bool int8_activations, float* y_ptr, int64_t n, int64_t begin,
+               int64_t end) {
+  const int64_t k = w.k;
   // Blocks of outputs whose packed weights stay in L1/L2 while every pass of activation rows reads them: the
   // weights come from memory once a call, whatever the row count.
   const int64_t out_block = std::max<int64_t>(4, 16384 / std::max<int64_t>(k / 2, 1)) / 4 * 4;
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     const int64_t pass = int8_activations ? kMaxRowsA8 : kMaxRows;
     for (int64_t o0 = begin; o0 < end; o0 += out_block) {
       const int64_t o1 = std::min(end, o0 + out_block);
@@ -474,6 +442,68 @@ at::Tensor int4_skinny_linear(at::Tensor x,            // [rows, in] float32, un
 #endif
       }
     }
+}
+
+void prepare_activations(const float* x_ptr, int64_t x_stride, int64_t m, int64_t k, int64_t group_size,
+                         bool int8_activations, QuantizedRows& xq, std::vector<float>& xsum) {
+  const int64_t groups = k / group_size;
+  if (int8_activations) {
+    xq = quantize_rows(x_ptr, x_stride, m, k, group_size);
+  } else {
+    xsum.assign(m * groups, 0.f);  // each row's sum per group, for the zero-point term
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < k; ++i) xsum[r * groups + i / group_size] += x_ptr[r * x_stride + i];
+  }
+}
+
+}  // namespace
+
+void hearth::int4_linear_range(const float* x, int64_t x_stride, int64_t m, const Int4WeightView& view, float* y,
+                               int64_t y_stride, int64_t begin, int64_t end) {
+  const Weight w{view.packed, view.scales, view.zero_scaled, view.bias, view.k, view.k / view.group_size,
+                 view.group_size};
+  QuantizedRows xq;
+  std::vector<float> xsum;
+  prepare_activations(x, x_stride, m, view.k, view.group_size, view.int8_activations, xq, xsum);
+  run_range(w, x, x_stride, m, xq, xsum, view.int8_activations, y, y_stride, begin, end);
+}
+
+at::Tensor int4_skinny_linear(at::Tensor x,            // [rows, in] float32, unit inner stride
+                              at::Tensor packed,       // [out, in / 2] uint8 (layout above)
+                              at::Tensor scales,       // [out, groups] float32
+                              at::Tensor zero_scaled,  // [out, groups] float32: zero point x scale
+                              int64_t group_size, std::optional<at::Tensor> bias, bool int8_activations) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "int4_skinny_linear: x must be [rows, in] float32 with unit inner stride");
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) * 2 == k,
+              "int4_skinny_linear: packed must be a contiguous [out, in / 2] uint8 tensor");
+  TORCH_CHECK(group_size % kHalf == 0 && k % group_size == 0 && k % kBlock == 0,
+              "int4_skinny_linear: in must be a multiple of 64 and of the group size, itself a multiple of 32");
+  const int64_t groups = k / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && zero_scaled.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  zero_scaled.is_contiguous() && scales.size(0) == n && scales.size(1) == groups &&
+                  zero_scaled.sizes() == scales.sizes(),
+              "int4_skinny_linear: scales and zero_scaled must be contiguous float32 [out, in / group_size]");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "int4_skinny_linear: bias must be a contiguous float32 [out]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const Weight w{packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), zero_scaled.data_ptr<float>(), bias_ptr,
+                 k, groups, group_size};
+  const float* x_ptr = x.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  QuantizedRows xq;
+  std::vector<float> xsum;
+  prepare_activations(x_ptr, x_stride, m, k, group_size, int8_activations, xq, xsum);
+  auto y = at::empty({m, n}, x.options());
+  float* y_ptr = y.data_ptr<float>();
+  // Chunks of whole 4-row tiles, big enough that a thread's share amortizes the fork.
+  const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(k, 1)) / 4 * 4;
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    run_range(w, x_ptr, x_stride, m, xq, xsum, int8_activations, y_ptr, n, begin, end);
   });
   return y;
 }

@@ -14,6 +14,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "skinny_linear.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -129,7 +131,38 @@ void scalar_rows(const Int8Weight& w, const float* x, int64_t x_stride, int64_t 
 
 constexpr int kMaxRows = 4;  // activation rows per pass over a weight tile: M x R accumulators stay in registers
 
+// Outputs [begin, end) of every row into y (row stride y_stride).
+void run_range(const Int8Weight& w, const float* x_ptr, int64_t x_stride, int64_t m, float* y_ptr, int64_t n,
+               int64_t begin, int64_t end) {
+  const int64_t k = w.k;
+  // Blocks of outputs whose weights stay in L1/L2 while every pass of activation rows reads them: the
+  // weights come from memory once a call, whatever the row count.
+  const int64_t out_block = std::max<int64_t>(4, 32768 / std::max<int64_t>(k, 1)) / 4 * 4;
+    for (int64_t o0 = begin; o0 < end; o0 += out_block) {
+      const int64_t o1 = std::min(end, o0 + out_block);
+      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(m - m0, kMaxRows);
+#ifdef HEARTH_INT8_SIMD
+        switch (rows) {
+          case 1: tiles<1>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
+          case 2: tiles<2>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
+          case 3: tiles<3>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
+          default: tiles<4>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
+        }
+#else
+        for (int64_t o = o0; o < o1; ++o) scalar_rows(w, x_ptr, x_stride, m0, rows, o, y_ptr, n);
+#endif
+      }
+    }
+}
+
 }  // namespace
+
+void hearth::int8_linear_range(const float* x, int64_t x_stride, int64_t m, const Int8WeightView& view, float* y,
+                               int64_t y_stride, int64_t begin, int64_t end) {
+  const Int8Weight w{view.q, view.scales, view.bias, view.k, view.k / view.group_size, view.group_size};
+  run_range(w, x, x_stride, m, y, y_stride, begin, end);
+}
 
 at::Tensor int8_skinny_linear(at::Tensor x,       // [rows, in] float32, unit inner stride
                               at::Tensor q,       // [out, in] int8, contiguous
@@ -158,26 +191,6 @@ at::Tensor int8_skinny_linear(at::Tensor x,       // [rows, in] float32, unit in
   auto y = at::empty({m, n}, x.options());
   float* y_ptr = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(k, 1)) / 4 * 4;
-  // Blocks of outputs whose weights stay in L1/L2 while every pass of activation rows reads them: the
-  // weights come from memory once a call, whatever the row count.
-  const int64_t out_block = std::max<int64_t>(4, 32768 / std::max<int64_t>(k, 1)) / 4 * 4;
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t o0 = begin; o0 < end; o0 += out_block) {
-      const int64_t o1 = std::min(end, o0 + out_block);
-      for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(m - m0, kMaxRows);
-#ifdef HEARTH_INT8_SIMD
-        switch (rows) {
-          case 1: tiles<1>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
-          case 2: tiles<2>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
-          case 3: tiles<3>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
-          default: tiles<4>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
-        }
-#else
-        for (int64_t o = o0; o < o1; ++o) scalar_rows(w, x_ptr, x_stride, m0, rows, o, y_ptr, n);
-#endif
-      }
-    }
-  });
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { run_range(w, x_ptr, x_stride, m, y_ptr, n, begin, end); });
   return y;
 }

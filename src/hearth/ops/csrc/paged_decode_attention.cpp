@@ -14,22 +14,21 @@
 #include <vector>
 
 #include "fp8_e4m3.h"
+#include "paged_decode_attention.h"
 
 namespace {
 
 // Keys and values come through `load(slot, which, kv_begin, kv_count) -> const float*`: those KV heads' values
 // of the slot, the float32 pool's in place, or FP8/bf16 ones widened into a scratch buffer (FP8: scales applied).
+// Work items [begin, end) of `n * split`: item i is sequence i / split's KV heads [(i % split) * kv_heads / split,
+// ...) and the query heads that share them.
 template <typename LoadRow>
-void decode_rows(const float* q_ptr, float* o_ptr, const int64_t* table, const int64_t* lens, const int64_t* firsts,
-                 int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_pages, int64_t page_size,
-                 float fscale, const LoadRow& make_loader) {
+void decode_items(const float* q_ptr, float* o_ptr, const int64_t* table, const int64_t* lens, const int64_t* firsts,
+                  int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_pages, int64_t page_size, float fscale,
+                  const LoadRow& make_loader, int64_t split, int64_t begin, int64_t end) {
   const int64_t group = heads / kv_heads;
-  // A work item is a sequence's KV heads [kv_begin, kv_end): all of them when there are enough sequences for
-  // every thread (a key slot's heads are contiguous, so reading them together walks memory in order), one
-  // each when there are fewer (at batch 1 a whole sequence would keep one core busy and the others idle).
-  const int64_t split = n < at::get_num_threads() ? kv_heads : 1;
   const int64_t per_item = kv_heads / split;
-  at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
+  {
     auto load = make_loader();
     std::vector<float> scores;
     std::vector<float> acc(per_item * group * dim);
@@ -77,6 +76,22 @@ void decode_rows(const float* q_ptr, float* o_ptr, const int64_t* table, const i
       }
       std::copy(acc.begin(), acc.end(), o_ptr + (b * heads + kv_begin * group) * dim);
     }
+  }
+}
+
+// A work item is a sequence's KV heads: all of them when there are enough sequences for every thread (a key
+// slot's heads are contiguous, so reading them together walks memory in order), one each when there are fewer
+// (at batch 1 a whole sequence would keep one core busy and the others idle).
+int64_t kv_split(int64_t n, int64_t kv_heads, int threads) { return n < threads ? kv_heads : 1; }
+
+template <typename LoadRow>
+void decode_rows(const float* q_ptr, float* o_ptr, const int64_t* table, const int64_t* lens, const int64_t* firsts,
+                 int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, int64_t max_pages, int64_t page_size,
+                 float fscale, const LoadRow& make_loader) {
+  const int64_t split = kv_split(n, kv_heads, at::get_num_threads());
+  at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
+    decode_items(q_ptr, o_ptr, table, lens, firsts, heads, kv_heads, dim, max_pages, page_size, fscale, make_loader,
+                 split, begin, end);
   });
 }
 
@@ -85,6 +100,56 @@ void check_common(const at::Tensor& q, const at::Tensor& page_table, const at::T
   TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: float32 queries only");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && page_table.is_contiguous(),
               "paged_decode_attention: contiguous inputs only");
+}
+
+// Calls `fn(make_loader)` with the loader of these pools: float32 read in place, or FP8 (scales given).
+template <typename Fn>
+void with_loader(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor* k_scale,
+                 const at::Tensor* v_scale, int64_t dim, Fn&& fn) {
+  const int64_t kv_heads = k_pool.size(1);
+  const int64_t row = kv_heads * dim;
+  if (k_scale == nullptr) {
+    const float* k_ptr = k_pool.data_ptr<float>();
+    const float* v_ptr = v_pool.data_ptr<float>();
+    auto make_loader = [=]() {
+      return [=](int64_t slot, int which, int64_t kv_begin, int64_t) {
+        return (which == 0 ? k_ptr : v_ptr) + slot * row + kv_begin * dim;
+      };
+    };
+    fn(make_loader);
+    return;
+  }
+  const uint8_t* k_ptr = reinterpret_cast<const uint8_t*>(k_pool.data_ptr());
+  const uint8_t* v_ptr = reinterpret_cast<const uint8_t*>(v_pool.data_ptr());
+  const float* ks = k_scale->data_ptr<float>();
+  const float* vs = v_scale->data_ptr<float>();
+  // Each work item dequantizes its KV heads of a slot into its own buffer before using them: the pool is read
+  // once, at half the bytes of bf16, and the float loops stay as they are.
+  auto make_loader = [=]() {
+    return [=, buffer = std::vector<float>(row)](int64_t slot, int which, int64_t kv_begin,
+                                                 int64_t kv_count) mutable -> const float* {
+      const uint8_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row;
+      const float* scales = which == 0 ? ks : vs;
+      float* dst = buffer.data();
+      for (int64_t h = kv_begin; h < kv_begin + kv_count; ++h) {
+        const float s = scales[h];
+        for (int64_t d = 0; d < dim; ++d) dst[(h - kv_begin) * dim + d] = hearth::fp8_e4m3_to_float(src[h * dim + d]) * s;
+      }
+      return dst;
+    };
+  };
+  fn(make_loader);
+}
+
+void check_fp8(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& k_scale,
+               const at::Tensor& v_scale) {
+  TORCH_CHECK(k_pool.scalar_type() == at::kFloat8_e4m3fn && v_pool.scalar_type() == at::kFloat8_e4m3fn,
+              "paged_decode_attention_fp8: float8_e4m3fn pools only");
+  const int64_t kv_heads = k_pool.size(1);
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
+                  k_scale.numel() == kv_heads && v_scale.numel() == kv_heads && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous(),
+              "paged_decode_attention_fp8: float32 [kv_heads] scales");
 }
 
 }  // namespace
@@ -101,19 +166,12 @@ at::Tensor paged_decode_attention(
   TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat,
               "paged_decode_attention: float32 pools only (FP8: paged_decode_attention_fp8)");
   check_common(q, page_table, k_pool, v_pool);
-  const int64_t kv_heads = k_pool.size(1), dim = q.size(2);
   auto out = at::empty_like(q);
-  const float* k_ptr = k_pool.data_ptr<float>();
-  const float* v_ptr = v_pool.data_ptr<float>();
-  const int64_t row = kv_heads * dim;
-  auto make_loader = [&]() {
-    return [=](int64_t slot, int which, int64_t kv_begin, int64_t) {
-      return (which == 0 ? k_ptr : v_ptr) + slot * row + kv_begin * dim;
-    };
-  };
-  decode_rows(q.data_ptr<float>(), out.data_ptr<float>(), page_table.data_ptr<int64_t>(),
-              context_lens.data_ptr<int64_t>(), first_positions.data_ptr<int64_t>(), q.size(0), q.size(1), kv_heads,
-              dim, page_table.size(1), page_size, static_cast<float>(scale), make_loader);
+  with_loader(k_pool, v_pool, nullptr, nullptr, q.size(2), [&](const auto& make_loader) {
+    decode_rows(q.data_ptr<float>(), out.data_ptr<float>(), page_table.data_ptr<int64_t>(),
+                context_lens.data_ptr<int64_t>(), first_positions.data_ptr<int64_t>(), q.size(0), q.size(1),
+                k_pool.size(1), q.size(2), page_table.size(1), page_size, static_cast<float>(scale), make_loader);
+  });
   return out;
 }
 
@@ -128,39 +186,32 @@ at::Tensor paged_decode_attention_fp8(
     at::Tensor first_positions, // [n] int64
     int64_t page_size,
     double scale) {
-  TORCH_CHECK(k_pool.scalar_type() == at::kFloat8_e4m3fn && v_pool.scalar_type() == at::kFloat8_e4m3fn,
-              "paged_decode_attention_fp8: float8_e4m3fn pools only");
+  check_fp8(k_pool, v_pool, k_scale, v_scale);
   check_common(q, page_table, k_pool, v_pool);
-  const int64_t kv_heads = k_pool.size(1), dim = q.size(2);
-  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
-                  k_scale.numel() == kv_heads && v_scale.numel() == kv_heads && k_scale.is_contiguous() &&
-                  v_scale.is_contiguous(),
-              "paged_decode_attention_fp8: float32 [kv_heads] scales");
   auto out = at::empty_like(q);
-  const uint8_t* k_ptr = reinterpret_cast<const uint8_t*>(k_pool.data_ptr());
-  const uint8_t* v_ptr = reinterpret_cast<const uint8_t*>(v_pool.data_ptr());
-  const float* ks = k_scale.data_ptr<float>();
-  const float* vs = v_scale.data_ptr<float>();
-  const int64_t row = kv_heads * dim;
-  // Each work item dequantizes its KV heads of a slot into its own buffer before using them: the pool is read
-  // once, at half the bytes of bf16, and the float loops stay as they are.
-  auto make_loader = [&]() {
-    return [=, buffer = std::vector<float>(row)](int64_t slot, int which, int64_t kv_begin,
-                                                 int64_t kv_count) mutable -> const float* {
-      const uint8_t* src = (which == 0 ? k_ptr : v_ptr) + slot * row;
-      const float* scales = which == 0 ? ks : vs;
-      float* dst = buffer.data();
-      for (int64_t h = kv_begin; h < kv_begin + kv_count; ++h) {
-        const float s = scales[h];
-        for (int64_t d = 0; d < dim; ++d) dst[(h - kv_begin) * dim + d] = hearth::fp8_e4m3_to_float(src[h * dim + d]) * s;
-      }
-      return dst;
-    };
-  };
-  decode_rows(q.data_ptr<float>(), out.data_ptr<float>(), page_table.data_ptr<int64_t>(),
-              context_lens.data_ptr<int64_t>(), first_positions.data_ptr<int64_t>(), q.size(0), q.size(1), kv_heads,
-              dim, page_table.size(1), page_size, static_cast<float>(scale), make_loader);
+  with_loader(k_pool, v_pool, &k_scale, &v_scale, q.size(2), [&](const auto& make_loader) {
+    decode_rows(q.data_ptr<float>(), out.data_ptr<float>(), page_table.data_ptr<int64_t>(),
+                context_lens.data_ptr<int64_t>(), first_positions.data_ptr<int64_t>(), q.size(0), q.size(1),
+                k_pool.size(1), q.size(2), page_table.size(1), page_size, static_cast<float>(scale), make_loader);
+  });
   return out;
+}
+
+int64_t hearth::decode_attention_split(int64_t num_seqs, int64_t kv_heads, int threads) {
+  return kv_split(num_seqs, kv_heads, threads);
+}
+
+void hearth::decode_attention_items(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_pool,
+                                    const at::Tensor& v_pool, const at::Tensor* k_scale, const at::Tensor* v_scale,
+                                    const at::Tensor& page_table, const at::Tensor& context_lens,
+                                    const at::Tensor& first_positions, int64_t page_size, double scale,
+                                    int64_t split, int64_t begin, int64_t end) {
+  if (end <= begin) return;
+  with_loader(k_pool, v_pool, k_scale, v_scale, q.size(2), [&](const auto& make_loader) {
+    decode_items(q.data_ptr<float>(), out.data_ptr<float>(), page_table.data_ptr<int64_t>(),
+                 context_lens.data_ptr<int64_t>(), first_positions.data_ptr<int64_t>(), q.size(1), k_pool.size(1),
+                 q.size(2), page_table.size(1), page_size, static_cast<float>(scale), make_loader, split, begin, end);
+  });
 }
 
 // bf16 pools (a bf16 model on a CPU with bf16 math, issue 11): each slot's row is widened to float32
