@@ -92,3 +92,15 @@ def test_models_the_stack_does_not_run_keep_the_python_layers(tiny_model_factory
     llm, tokens = _generate(model, monkeypatch, fused=True)
     assert llm.engine.worker.model._decode_stack_runner is False and not calls.rows
     assert tokens == [hf_greedy(model, prompt, PARAMS.max_tokens) for prompt in PROMPTS]
+
+
+def test_int8_activations_on_the_stack_equal_the_python_layers(tiny_model_factory, tmp_path, monkeypatch):
+    """W4A8 and W8A8 (the opt-in): the stack rounds the activations exactly as the Python layers do."""
+    monkeypatch.setenv("HEARTH_INT4_ACTIVATIONS", "int8")
+    source = tiny_model_factory("llama", hidden_size=64, intermediate_size=128)
+    path = write_gguf(source, tmp_path / "tiny-a8.gguf", "Q4_1", "Q8_0")
+    calls = StackCalls(monkeypatch)
+    llm, fused = _generate(path, monkeypatch, fused=True)
+    assert calls.rows and llm.engine.worker.model.lm_head_quantized.int8_activations
+    _, unfused = _generate(path, monkeypatch, fused=False)
+    assert fused == unfused

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hearth.ops import cpu_kernels
-from hearth.ops.int8 import Int8Weights, dequantize_int8, int8_linear
+from hearth.ops.int8 import INT8_ACTIVATION_MAX_ROWS, Int8Weights, dequantize_int8, int8_linear
 
 
 def random_int8(out: int, k: int, group: int) -> Int8Weights:
@@ -71,3 +71,34 @@ def test_int8_kernel_refuses_bad_inputs(kernel):
         kernel(x, weights.q, weights.scales[:, :1].contiguous(), 32)
     with pytest.raises(RuntimeError, match="x must be"):
         kernel(x.double(), weights.q, weights.scales, 32)
+
+
+def _rounded_like_the_kernel(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x rounded to int8 per (row, group) as the W8A8 kernel rounds it, back in float64."""
+    grouped = x.view(x.shape[0], -1, group)
+    amax = grouped.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    quantized = torch.round(grouped * inverse).clamp(-127, 127)
+    return (quantized.double() * (amax / 127).double()).view(x.shape)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_w8a8_rounds_decode_rows_only_and_matches_the_rounded_product(kernel, group):
+    if "avx512_vnni" not in open("/proc/cpuinfo").read():
+        pytest.skip("W8A8 runs on AVX-512 VNNI only (float activations elsewhere)")
+    out, k = 70, 320 if group == 32 else 384
+    weights = random_int8(out, k, group)
+    weights.int8_activations = True
+    weights.q[0, :5] = -128  # the format allows it; the sign-bit flip must still give its products
+    dense = dequantize_int8(weights).double()
+    bias = torch.randn(out)
+    for rows in (1, 3, 4, 7, INT8_ACTIVATION_MAX_ROWS):
+        x = torch.randn(rows, k)
+        got = int8_linear(x, weights, bias).double()
+        rounded = _rounded_like_the_kernel(x, group) @ dense.t() + bias.double()
+        torch.testing.assert_close(got, rounded, rtol=1e-4, atol=1e-4)
+        assert (got - (x.double() @ dense.t() + bias.double())).abs().max() > 1e-4  # really rounded
+    x = torch.randn(INT8_ACTIVATION_MAX_ROWS + 1, k)  # prefill rows: float activations
+    torch.testing.assert_close(
+        int8_linear(x, weights, bias).double(), x.double() @ dense.t() + bias.double(), rtol=1e-5, atol=1e-5
+    )

@@ -28,7 +28,7 @@ from hearth.ops.attention import AttentionContext
 from hearth.ops.attention.torch_ref import TorchMetadata
 from hearth.ops.cpu_kernels import decode_stack_classes
 from hearth.ops.int4 import INT4_MAX_ROWS, Int4Weights
-from hearth.ops.int8 import Int8Weights
+from hearth.ops.int8 import INT8_ACTIVATION_MAX_ROWS, Int8Weights
 from hearth.ops.linear import BF16_MAX_ROWS
 
 INT4, INT8, BF16 = 0, 1, 2  # `DecodeLinear::Kind`
@@ -60,7 +60,15 @@ def _decode_linear(layer: Linear, linear_class: Any) -> tuple[int, Any] | None:
     if isinstance(int8, Int8Weights):
         if int8.group_size % 16:
             return None
-        return INT8, linear_class(INT8, int8.q, int8.scales, group_size=int8.group_size, bias=layer.bias)
+        return INT8, linear_class(
+            INT8,
+            int8.q,
+            int8.scales,
+            group_size=int8.group_size,
+            int8_activations=int8.int8_activations,
+            int8_activations_max_rows=INT8_ACTIVATION_MAX_ROWS,
+            bias=layer.bias,
+        )
     prepared = getattr(layer, "prepared", None)
     if (
         isinstance(layer.quant_method, UnquantizedLinearMethod)

@@ -5,9 +5,11 @@ quantized), run from the file's own blocks:
   groups, `w = d * sc_j * q - dmin * m_j`) are 4-bit values with a scale and an offset per 32 weights:
   exactly `hearth.ops.int4`'s layout with groups of 32 (`w = q * scale - zero_scaled`), so their nibbles
   are repacked, never dequantized, and run on the INT4 kernel with float activations (W4A16, the file's
-  weights exactly; `HEARTH_INT4_ACTIVATIONS=int8` opts into W4A8, as llama.cpp's own Q4 x Q8 dot).
+  weights exactly; `HEARTH_INT4_ACTIVATIONS=int8` opts into W4A8, as llama.cpp's own Q4 x Q8 dot, and W8A8
+  for the Q8_0 layers and head).
 - Q8_0 (`w = d * q`, int8, 32 per scale) is kept as int8 and a scale per 32 (`hearth.ops.int8`): a
-  quarter of float32's bytes, dequantized per call (no INT8 kernel yet).
+  quarter of float32's bytes, on the INT8 kernel (float activations; W8A8 with the opt-in above). A tied
+  embedding in Q8_0 is the LM head's weight too (`quantize_lm_head`).
 - A layer with a part in any other type (Q5_*, Q6_K, F16..., or a mix of the above) has no native path
   here yet: its parts are dequantized with the `gguf` library at load time and it runs as a dense layer
   (logged once per mix of types).
@@ -148,7 +150,12 @@ class GGUFLinearMethod(QuantizationMethod):
             return
         if all(isinstance(p, QuantizedTensor) and p.type_name == "Q8_0" for p in parts):
             q8, scales8 = (torch.cat(pieces) for pieces in zip(*(int8_parts(p) for p in parts)))
-            layer.int8 = Int8Weights(q8.contiguous(), scales8.contiguous(), GROUP)
+            layer.int8 = Int8Weights(
+                q8.contiguous(),
+                scales8.contiguous(),
+                GROUP,
+                int8_activations=int8_activations_default(checkpoint_format=True),
+            )
             return
         types = {p.type_name if isinstance(p, QuantizedTensor) else str(p.dtype) for p in parts}
         if not types <= self._dense_types:
@@ -171,7 +178,12 @@ class GGUFLinearMethod(QuantizationMethod):
             return None
         if source.type_name == "Q8_0":
             q8, scales8 = int8_parts(source)
-            return Int8Weights(q8.contiguous(), scales8.contiguous(), GROUP)
+            return Int8Weights(
+                q8.contiguous(),
+                scales8.contiguous(),
+                GROUP,
+                int8_activations=int8_activations_default(checkpoint_format=True),
+            )
         if source.type_name in NATIVE_INT4_TYPES and source.shape[1] % BLOCK == 0:
             q, scales, zero_scaled = int4_parts(source)
             return Int4Weights(

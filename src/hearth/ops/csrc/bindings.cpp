@@ -20,7 +20,7 @@ torch::Tensor int4_skinny_linear(torch::Tensor x, torch::Tensor packed, torch::T
                                 torch::Tensor zero_scaled, int64_t group_size, std::optional<torch::Tensor> bias,
                                 bool int8_activations);
 torch::Tensor int8_skinny_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t group_size,
-                                std::optional<torch::Tensor> bias);
+                                std::optional<torch::Tensor> bias, bool int8_activations);
 torch::Tensor bf16_skinny_linear(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
 torch::Tensor rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
                               torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slot_mapping);
@@ -49,7 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_skinny_linear", &int8_skinny_linear,
         "x @ w^T for a few float32 rows and an INT8 weight with a float32 scale per group (CPU; GGUF Q8_0)",
         pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scales"), pybind11::arg("group_size"),
-        pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("int8_activations") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows, optionally after adding a residual: (out, x + residual)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   pybind11::class_<DecodeLinear>(m, "DecodeLinear")

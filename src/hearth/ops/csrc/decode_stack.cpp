@@ -30,7 +30,7 @@ at::Tensor bf16_skinny_linear(at::Tensor x, at::Tensor weight, std::optional<at:
 at::Tensor int4_skinny_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor zero_scaled,
                               int64_t group_size, std::optional<at::Tensor> bias, bool int8_activations);
 at::Tensor int8_skinny_linear(at::Tensor x, at::Tensor q, at::Tensor scales, int64_t group_size,
-                              std::optional<at::Tensor> bias);
+                              std::optional<at::Tensor> bias, bool int8_activations);
 std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
                                             std::optional<at::Tensor> residual);
 at::Tensor rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads, at::Tensor k_pool,
@@ -51,7 +51,7 @@ at::Tensor DecodeLinear::operator()(const at::Tensor& x) const {
       return int4_skinny_linear(x, a, b, c, group_size, bias,
                                 int8_activations && x.size(0) <= int8_activations_max_rows);
     case kInt8:
-      return int8_skinny_linear(x, a, b, group_size, bias);
+      return int8_skinny_linear(x, a, b, group_size, bias, int8_activations && x.size(0) <= int8_activations_max_rows);
     case kBf16:
       return bf16_skinny_linear(x, a, bias);
     default:
@@ -70,7 +70,7 @@ void DecodeLinear::bind() {
                int8_activations};
       break;
     case kInt8:
-      int8_ = {a.data_ptr<int8_t>(), b.data_ptr<float>(), bias_ptr, k, group_size};
+      int8_ = {a.data_ptr<int8_t>(), b.data_ptr<float>(), bias_ptr, k, group_size, int8_activations};
       break;
     case kBf16:
       bf16_ = {reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()), bias_ptr, k};
@@ -89,9 +89,12 @@ void DecodeLinear::run_range(const float* x, int64_t m, float* y, int64_t y_stri
       hearth::int4_linear_range(x, k, m, view, y, y_stride, begin, end);
       break;
     }
-    case kInt8:
-      hearth::int8_linear_range(x, k, m, int8_, y, y_stride, begin, end);
+    case kInt8: {
+      hearth::Int8WeightView view = int8_;
+      view.int8_activations = int8_activations && m <= int8_activations_max_rows;
+      hearth::int8_linear_range(x, k, m, view, y, y_stride, begin, end);
       break;
+    }
     case kBf16:
       hearth::bf16_linear_range(x, k, m, bf16_, y, y_stride, begin, end);
       break;

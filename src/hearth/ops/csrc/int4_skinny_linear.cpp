@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "activations_int8.h"
 #include "skinny_linear.h"
 
 #include <algorithm>
@@ -49,36 +50,6 @@ constexpr int kMaxRowsA8 = 4;   // W4A8: per row an int16 partial sum, an int32 
 inline uint8_t nibble(const uint8_t* w, int64_t i) {
   const uint8_t byte = w[(i / kBlock) * 32 + (i % kHalf)];
   return (i % kBlock) < kHalf ? (byte & 0x0f) : (byte >> 4);
-}
-
-// Activations rounded to int8 per (row, group): q = round(x / s), s = max|x| / 127 over the group.
-struct QuantizedRows {
-  std::vector<int8_t> q;       // [rows, k]
-  std::vector<float> scale;    // [rows, groups]
-  std::vector<float> sum;      // [rows, groups]: s * sum(q), the zero-point term's activation sum
-};
-
-QuantizedRows quantize_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, int64_t group_size) {
-  const int64_t groups = k / group_size;
-  QuantizedRows out{std::vector<int8_t>(m * k), std::vector<float>(m * groups), std::vector<float>(m * groups)};
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = x + r * x_stride + g * group_size;
-      int8_t* qg = out.q.data() + r * k + g * group_size;
-      float amax = 0.f;
-      for (int64_t i = 0; i < group_size; ++i) amax = std::max(amax, std::fabs(xg[i]));
-      const float s = amax / 127.f;
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t total = 0;
-      for (int64_t i = 0; i < group_size; ++i) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xg[i] * inv));
-        qg[i] = static_cast<int8_t>(std::clamp(v, -127, 127));
-        total += qg[i];
-      }
-      out.scale[r * groups + g] = s;
-      out.sum[r * groups + g] = s * static_cast<float>(total);
-    }
-  return out;
 }
 
 struct Weight {

@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "activations_int8.h"
 #include "skinny_linear.h"
 
 #include <algorithm>
@@ -115,6 +116,81 @@ void tiles(const Int8Weight& w, const float* x, int64_t x_stride, int64_t m0, in
 }
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// W8A8 (opt-in, as llama.cpp's Q8_0 x Q8_0): the activations rounded to int8 per (row, group) and one vpdpbusd per
+// 64 weights and row. vpdpbusd multiplies unsigned by signed bytes, so the weights go in with their sign bit
+// flipped (w + 128, unsigned): the extra 128 x sum(x) per group is subtracted after the dot (`xq.sum` holds
+// s x sum(q)). Lanes 0..7 of a block's sum are its first 32 weights, 8..15 the next 32: with groups of 32 they
+// are two groups, scaled as the block ends; groups that are multiples of 64 sum in int32 to their end.
+inline __m512 pair_scales8(const float* p) {
+  return _mm512_insertf32x8(_mm512_set1_ps(p[0]), _mm256_set1_ps(p[1]), 1);
+}
+
+template <int M, int R>
+void tile_a8(const Int8Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o, float* y, int64_t y_stride) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const bool paired = w.group_size == 32;
+  const int64_t blocks_per_group = paired ? 1 : w.group_size / 64;
+  __m512 total[M][R];
+  HEARTH_UNROLL
+  for (int m = 0; m < M; ++m)
+    HEARTH_UNROLL
+    for (int r = 0; r < R; ++r) total[m][r] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < w.k / 64; b0 += blocks_per_group) {
+    __m512i acc[M][R];
+    HEARTH_UNROLL
+    for (int m = 0; m < M; ++m)
+      HEARTH_UNROLL
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_si512();
+    for (int64_t b = b0; b < b0 + blocks_per_group; ++b) {
+      __m512i wv[R];
+      HEARTH_UNROLL
+      for (int r = 0; r < R; ++r) wv[r] = _mm512_xor_si512(_mm512_loadu_si512(w.q + (o + r) * w.k + b * 64), flip);
+      HEARTH_UNROLL
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_loadu_si512(xq.q.data() + (m0 + m) * w.k + b * 64);
+        HEARTH_UNROLL
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], wv[r], xv);
+      }
+    }
+    const int64_t g = paired ? b0 * 2 : b0 / blocks_per_group;
+    HEARTH_UNROLL
+    for (int m = 0; m < M; ++m) {
+      const float* sx = xq.scale.data() + (m0 + m) * w.groups + g;
+      const __m512 x_scale = paired ? pair_scales8(sx) : _mm512_set1_ps(sx[0]);
+      HEARTH_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const float* sw = w.scales + (o + r) * w.groups + g;
+        const __m512 scale = _mm512_mul_ps(paired ? pair_scales8(sw) : _mm512_set1_ps(sw[0]), x_scale);
+        total[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][r]), scale, total[m][r]);
+      }
+    }
+  }
+  HEARTH_UNROLL
+  for (int m = 0; m < M; ++m) {
+    const float* xsum = xq.sum.data() + (m0 + m) * w.groups;
+    HEARTH_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const float* sw = w.scales + (o + r) * w.groups;
+      float offset = 0.f;  // the flipped sign bit's 128 x sum(x), per group
+      for (int64_t gi = 0; gi < w.groups; ++gi) offset += sw[gi] * xsum[gi];
+      y[(m0 + m) * y_stride + o + r] =
+          _mm512_reduce_add_ps(total[m][r]) - 128.f * offset + (w.bias ? w.bias[o + r] : 0.f);
+    }
+  }
+}
+
+template <int M>
+void tiles_a8(const Int8Weight& w, const QuantizedRows& xq, int64_t m0, int64_t begin, int64_t end, float* y,
+              int64_t n) {
+  constexpr int R = M == 1 ? 4 : 2;
+  int64_t o = begin;
+  for (; o + R <= end; o += R) tile_a8<M, R>(w, xq, m0, o, y, n);
+  for (; o < end; ++o) tile_a8<M, 1>(w, xq, m0, o, y, n);
+}
+#define HEARTH_INT8_VNNI 1
+#endif
+
 void scalar_rows(const Int8Weight& w, const float* x, int64_t x_stride, int64_t m0, int64_t rows, int64_t o, float* y,
                  int64_t y_stride) {
   for (int64_t m = m0; m < m0 + rows; ++m) {
@@ -131,9 +207,19 @@ void scalar_rows(const Int8Weight& w, const float* x, int64_t x_stride, int64_t 
 
 constexpr int kMaxRows = 4;  // activation rows per pass over a weight tile: M x R accumulators stay in registers
 
-// Outputs [begin, end) of every row into y (row stride y_stride).
-void run_range(const Int8Weight& w, const float* x_ptr, int64_t x_stride, int64_t m, float* y_ptr, int64_t n,
-               int64_t begin, int64_t end) {
+// W8A8 runs where the CPU has AVX-512 VNNI and the groups fit its blocks of 64; elsewhere float activations.
+bool int8_activations_supported(const Int8Weight& w) {
+#ifdef HEARTH_INT8_VNNI
+  return w.k % 64 == 0 && (w.group_size == 32 || w.group_size % 64 == 0);
+#else
+  (void)w;
+  return false;
+#endif
+}
+
+// Outputs [begin, end) of every row into y (row stride y_stride); `xq`: the rows rounded to int8 (W8A8).
+void run_range(const Int8Weight& w, const float* x_ptr, int64_t x_stride, int64_t m, const QuantizedRows* xq,
+               float* y_ptr, int64_t n, int64_t begin, int64_t end) {
   const int64_t k = w.k;
   // Blocks of outputs whose weights stay in L1/L2 while every pass of activation rows reads them: the
   // weights come from memory once a call, whatever the row count.
@@ -142,6 +228,17 @@ void run_range(const Int8Weight& w, const float* x_ptr, int64_t x_stride, int64_
       const int64_t o1 = std::min(end, o0 + out_block);
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(m - m0, kMaxRows);
+#ifdef HEARTH_INT8_VNNI
+        if (xq != nullptr) {
+          switch (rows) {
+            case 1: tiles_a8<1>(w, *xq, m0, o0, o1, y_ptr, n); break;
+            case 2: tiles_a8<2>(w, *xq, m0, o0, o1, y_ptr, n); break;
+            case 3: tiles_a8<3>(w, *xq, m0, o0, o1, y_ptr, n); break;
+            default: tiles_a8<4>(w, *xq, m0, o0, o1, y_ptr, n); break;
+          }
+          continue;
+        }
+#endif
 #ifdef HEARTH_INT8_SIMD
         switch (rows) {
           case 1: tiles<1>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
@@ -161,13 +258,16 @@ void run_range(const Int8Weight& w, const float* x_ptr, int64_t x_stride, int64_
 void hearth::int8_linear_range(const float* x, int64_t x_stride, int64_t m, const Int8WeightView& view, float* y,
                                int64_t y_stride, int64_t begin, int64_t end) {
   const Int8Weight w{view.q, view.scales, view.bias, view.k, view.k / view.group_size, view.group_size};
-  run_range(w, x, x_stride, m, y, y_stride, begin, end);
+  QuantizedRows xq;
+  const bool a8 = view.int8_activations && int8_activations_supported(w);
+  if (a8) xq = quantize_rows(x, x_stride, m, view.k, view.group_size);
+  run_range(w, x, x_stride, m, a8 ? &xq : nullptr, y, y_stride, begin, end);
 }
 
 at::Tensor int8_skinny_linear(at::Tensor x,       // [rows, in] float32, unit inner stride
                               at::Tensor q,       // [out, in] int8, contiguous
                               at::Tensor scales,  // [out, in / group_size] float32, contiguous
-                              int64_t group_size, std::optional<at::Tensor> bias) {
+                              int64_t group_size, std::optional<at::Tensor> bias, bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "int8_skinny_linear: x must be [rows, in] float32 with unit inner stride");
   const int64_t m = x.size(0), k = x.size(1), n = q.size(0);
@@ -191,6 +291,11 @@ at::Tensor int8_skinny_linear(at::Tensor x,       // [rows, in] float32, unit in
   auto y = at::empty({m, n}, x.options());
   float* y_ptr = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(16, 65536 / std::max<int64_t>(k, 1)) / 4 * 4;
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { run_range(w, x_ptr, x_stride, m, y_ptr, n, begin, end); });
+  QuantizedRows xq;
+  const bool a8 = int8_activations && int8_activations_supported(w);
+  if (a8) xq = quantize_rows(x_ptr, x_stride, m, k, group_size);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    run_range(w, x_ptr, x_stride, m, a8 ? &xq : nullptr, y_ptr, n, begin, end);
+  });
   return y;
 }

@@ -40,9 +40,11 @@ void decode_items(const float* q_ptr, float* o_ptr, const int64_t* table, const 
       scores.resize(item_heads * num_keys);
       const float* qb = q_ptr + (b * heads + kv_begin * group) * dim;  // the query heads of these KV heads
       const int64_t* pages = table + b * max_pages;
+      // Slots walked page by page: a division per key (two, with the values) cost more than its dot products.
+      int64_t page = first / page_size, offset = first % page_size;
       for (int64_t i = 0; i < num_keys; ++i) {
-        const int64_t pos = first + i;
-        const float* key = load(pages[pos / page_size] * page_size + pos % page_size, 0, kv_begin, per_item);
+        const float* key = load(pages[page] * page_size + offset, 0, kv_begin, per_item);
+        if (++offset == page_size) offset = 0, ++page;
         for (int64_t h = 0; h < item_heads; ++h) {
           const float* qh = qb + h * dim;
           const float* kh = key + (h / group) * dim;
@@ -64,9 +66,10 @@ void decode_items(const float* q_ptr, float* o_ptr, const int64_t* table, const 
         for (int64_t i = 0; i < num_keys; ++i) s[i] *= inv_total;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
+      page = first / page_size, offset = first % page_size;
       for (int64_t i = 0; i < num_keys; ++i) {
-        const int64_t pos = first + i;
-        const float* value = load(pages[pos / page_size] * page_size + pos % page_size, 1, kv_begin, per_item);
+        const float* value = load(pages[page] * page_size + offset, 1, kv_begin, per_item);
+        if (++offset == page_size) offset = 0, ++page;
         for (int64_t h = 0; h < item_heads; ++h) {
           const float w = scores[h * num_keys + i];
           const float* vh = value + (h / group) * dim;

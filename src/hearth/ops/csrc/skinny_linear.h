@@ -21,6 +21,7 @@ struct Int8WeightView {
   const float* scales;    // [out, in / group_size]
   const float* bias;      // [out] or null
   int64_t k, group_size;
+  bool int8_activations;  // W8A8 where the CPU has AVX-512 VNNI
 };
 
 struct Bf16WeightView {
