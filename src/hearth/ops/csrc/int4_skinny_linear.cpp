@@ -29,6 +29,7 @@
 
 #include "activations_int8.h"
 #include "skinny_linear.h"
+#include "vnni_tile.h"
 
 #include <algorithm>
 #include <cmath>
@@ -197,63 +198,21 @@ void tiles_a8(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t begi
 }
 #endif
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// W4A8 with AVX-512 VNNI: a block's 32 bytes become one 64-byte vector (low nibbles = weights 0..31 in the low
-// half, high nibbles = 32..63 in the high half: the activations' own order), and one vpdpbusd multiplies all 64
-// by the int8 activations and sums them in fours into 16 int32 lanes: lanes 0..7 hold the low half-block,
-// 8..15 the high one. Against the AVX2 loop's unpack + maddubs + add per 32 weights and row, that is one
-// instruction per 64. Each half-block's int32 sum is scaled as the block ends by its group's weight scale times
-// the row's activation scale (groups of 32: the halves differ; groups that are multiples of 64 accumulate in
-// int32 to the group's end). The zero term is added per group after the dot.
-inline __m512 pair_scales(const float* p) {  // lanes 0..7: p[0], 8..15: p[1]
-  return _mm512_insertf32x8(_mm512_set1_ps(p[0]), _mm256_set1_ps(p[1]), 1);
-}
-
+#ifdef HEARTH_VNNI
+// W4A8 with AVX-512 VNNI (`vnni_tile.h`): a block's 32 bytes become one 64-byte vector, low nibbles (weights
+// 0..31) in the low half and high nibbles (32..63) in the high one, the activations' own order: one vpdpbusd
+// per 64 weights and row, against the AVX2 loop's unpack + maddubs + add per 32. The zero term is added per
+// group after the dot.
 template <int M, int R>
 void tile_a8_vnni(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o, float* y, int64_t y_stride) {
   const __m512i mask = _mm512_set1_epi8(0x0f);
   const int64_t row_bytes = w.k / 2;
-  const bool paired = w.group_size == kHalf;  // a block holds two groups
-  const int64_t blocks_per_group = paired ? 1 : w.group_size / kBlock;
-  __m512 total[M][R];
-  HEARTH_UNROLL
-  for (int m = 0; m < M; ++m)
-    HEARTH_UNROLL
-    for (int r = 0; r < R; ++r) total[m][r] = _mm512_setzero_ps();
-  for (int64_t b0 = 0; b0 < w.k / kBlock; b0 += blocks_per_group) {
-    __m512i acc[M][R];
-    HEARTH_UNROLL
-    for (int m = 0; m < M; ++m)
-      HEARTH_UNROLL
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_si512();
-    for (int64_t b = b0; b < b0 + blocks_per_group; ++b) {
-      __m512i wv[R];
-      HEARTH_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.packed + (o + r) * row_bytes + b * 32));
-        wv[r] = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1), mask);
-      }
-      HEARTH_UNROLL
-      for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_loadu_si512(xq.q.data() + (m0 + m) * w.k + b * kBlock);
-        HEARTH_UNROLL
-        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], wv[r], xv);
-      }
-    }
-    const int64_t g = paired ? b0 * 2 : b0 / blocks_per_group;
-    HEARTH_UNROLL
-    for (int m = 0; m < M; ++m) {
-      const float* sx = xq.scale.data() + (m0 + m) * w.groups + g;
-      const __m512 x_scale = paired ? pair_scales(sx) : _mm512_set1_ps(sx[0]);
-      HEARTH_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const float* sw = w.scales + (o + r) * w.groups + g;
-        const __m512 scale = _mm512_mul_ps(paired ? pair_scales(sw) : _mm512_set1_ps(sw[0]), x_scale);
-        total[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][r]), scale, total[m][r]);
-      }
-    }
-  }
+  auto block = [&](int r, int64_t b) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.packed + (o + r) * row_bytes + b * 32));
+    return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1), mask);
+  };
+  float dots[M][R];
+  vnni_tile<M, R>(xq, w.scales, w.k, w.groups, w.group_size, m0, o, block, dots);
   HEARTH_UNROLL
   for (int m = 0; m < M; ++m) {
     const float* xsum = xq.sum.data() + (m0 + m) * w.groups;
@@ -262,8 +221,7 @@ void tile_a8_vnni(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t 
       const float* zero_scaled = w.zero_scaled + (o + r) * w.groups;
       float zero_term = 0.f;
       for (int64_t gi = 0; gi < w.groups; ++gi) zero_term += zero_scaled[gi] * xsum[gi];
-      y[(m0 + m) * y_stride + o + r] =
-          _mm512_reduce_add_ps(total[m][r]) - zero_term + (w.bias ? w.bias[o + r] : 0.f);
+      y[(m0 + m) * y_stride + o + r] = dots[m][r] - zero_term + (w.bias ? w.bias[o + r] : 0.f);
     }
   }
 }
@@ -277,7 +235,7 @@ void tiles_a8_vnni(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t
   for (; o < end; ++o) tile_a8_vnni<M, 1>(w, xq, m0, o, y, n);
 }
 
-inline bool vnni_layout(const Weight& w) { return w.group_size == kHalf || w.group_size % kBlock == 0; }
+inline bool vnni_layout(const Weight& w) { return vnni_groups(w.k, w.group_size); }
 #endif
 
 #ifdef __AVX512F__
@@ -363,7 +321,7 @@ void run_range(const Weight& w, const float* x_ptr, int64_t x_stride, int64_t m,
         const int64_t rows = std::min<int64_t>(m - m0, pass);
 #ifdef __AVX2__
         if (int8_activations) {
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#ifdef HEARTH_VNNI
           if (vnni_layout(w)) {
             switch (rows) {
               case 1: tiles_a8_vnni<1>(w, xq, m0, o0, o1, y_ptr, n); break;

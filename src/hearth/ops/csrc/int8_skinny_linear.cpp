@@ -16,6 +16,7 @@
 
 #include "activations_int8.h"
 #include "skinny_linear.h"
+#include "vnni_tile.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -116,56 +117,16 @@ void tiles(const Int8Weight& w, const float* x, int64_t x_stride, int64_t m0, in
 }
 #endif
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// W8A8 (opt-in, as llama.cpp's Q8_0 x Q8_0): the activations rounded to int8 per (row, group) and one vpdpbusd per
-// 64 weights and row. vpdpbusd multiplies unsigned by signed bytes, so the weights go in with their sign bit
-// flipped (w + 128, unsigned): the extra 128 x sum(x) per group is subtracted after the dot (`xq.sum` holds
-// s x sum(q)). Lanes 0..7 of a block's sum are its first 32 weights, 8..15 the next 32: with groups of 32 they
-// are two groups, scaled as the block ends; groups that are multiples of 64 sum in int32 to their end.
-inline __m512 pair_scales8(const float* p) {
-  return _mm512_insertf32x8(_mm512_set1_ps(p[0]), _mm256_set1_ps(p[1]), 1);
-}
-
+#ifdef HEARTH_VNNI
+// W8A8 (opt-in, as llama.cpp's Q8_0 x Q8_0): the activations rounded to int8 per (row, group), the dot by
+// `vnni_tile.h`. vpdpbusd multiplies unsigned by signed bytes, so the weights go in with their sign bit flipped
+// (w + 128, unsigned): the extra 128 x sum(x) per group is taken off after the dot (`xq.sum` holds s x sum(q)).
 template <int M, int R>
 void tile_a8(const Int8Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o, float* y, int64_t y_stride) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const bool paired = w.group_size == 32;
-  const int64_t blocks_per_group = paired ? 1 : w.group_size / 64;
-  __m512 total[M][R];
-  HEARTH_UNROLL
-  for (int m = 0; m < M; ++m)
-    HEARTH_UNROLL
-    for (int r = 0; r < R; ++r) total[m][r] = _mm512_setzero_ps();
-  for (int64_t b0 = 0; b0 < w.k / 64; b0 += blocks_per_group) {
-    __m512i acc[M][R];
-    HEARTH_UNROLL
-    for (int m = 0; m < M; ++m)
-      HEARTH_UNROLL
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_si512();
-    for (int64_t b = b0; b < b0 + blocks_per_group; ++b) {
-      __m512i wv[R];
-      HEARTH_UNROLL
-      for (int r = 0; r < R; ++r) wv[r] = _mm512_xor_si512(_mm512_loadu_si512(w.q + (o + r) * w.k + b * 64), flip);
-      HEARTH_UNROLL
-      for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_loadu_si512(xq.q.data() + (m0 + m) * w.k + b * 64);
-        HEARTH_UNROLL
-        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], wv[r], xv);
-      }
-    }
-    const int64_t g = paired ? b0 * 2 : b0 / blocks_per_group;
-    HEARTH_UNROLL
-    for (int m = 0; m < M; ++m) {
-      const float* sx = xq.scale.data() + (m0 + m) * w.groups + g;
-      const __m512 x_scale = paired ? pair_scales8(sx) : _mm512_set1_ps(sx[0]);
-      HEARTH_UNROLL
-      for (int r = 0; r < R; ++r) {
-        const float* sw = w.scales + (o + r) * w.groups + g;
-        const __m512 scale = _mm512_mul_ps(paired ? pair_scales8(sw) : _mm512_set1_ps(sw[0]), x_scale);
-        total[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][r]), scale, total[m][r]);
-      }
-    }
-  }
+  auto block = [&](int r, int64_t b) { return _mm512_xor_si512(_mm512_loadu_si512(w.q + (o + r) * w.k + b * 64), flip); };
+  float dots[M][R];
+  vnni_tile<M, R>(xq, w.scales, w.k, w.groups, w.group_size, m0, o, block, dots);
   HEARTH_UNROLL
   for (int m = 0; m < M; ++m) {
     const float* xsum = xq.sum.data() + (m0 + m) * w.groups;
@@ -174,8 +135,7 @@ void tile_a8(const Int8Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o
       const float* sw = w.scales + (o + r) * w.groups;
       float offset = 0.f;  // the flipped sign bit's 128 x sum(x), per group
       for (int64_t gi = 0; gi < w.groups; ++gi) offset += sw[gi] * xsum[gi];
-      y[(m0 + m) * y_stride + o + r] =
-          _mm512_reduce_add_ps(total[m][r]) - 128.f * offset + (w.bias ? w.bias[o + r] : 0.f);
+      y[(m0 + m) * y_stride + o + r] = dots[m][r] - 128.f * offset + (w.bias ? w.bias[o + r] : 0.f);
     }
   }
 }
@@ -188,7 +148,6 @@ void tiles_a8(const Int8Weight& w, const QuantizedRows& xq, int64_t m0, int64_t 
   for (; o + R <= end; o += R) tile_a8<M, R>(w, xq, m0, o, y, n);
   for (; o < end; ++o) tile_a8<M, 1>(w, xq, m0, o, y, n);
 }
-#define HEARTH_INT8_VNNI 1
 #endif
 
 void scalar_rows(const Int8Weight& w, const float* x, int64_t x_stride, int64_t m0, int64_t rows, int64_t o, float* y,
@@ -209,8 +168,8 @@ constexpr int kMaxRows = 4;  // activation rows per pass over a weight tile: M x
 
 // W8A8 runs where the CPU has AVX-512 VNNI and the groups fit its blocks of 64; elsewhere float activations.
 bool int8_activations_supported(const Int8Weight& w) {
-#ifdef HEARTH_INT8_VNNI
-  return w.k % 64 == 0 && (w.group_size == 32 || w.group_size % 64 == 0);
+#ifdef HEARTH_VNNI
+  return vnni_groups(w.k, w.group_size);
 #else
   (void)w;
   return false;
@@ -228,7 +187,7 @@ void run_range(const Int8Weight& w, const float* x_ptr, int64_t x_stride, int64_
       const int64_t o1 = std::min(end, o0 + out_block);
       for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(m - m0, kMaxRows);
-#ifdef HEARTH_INT8_VNNI
+#ifdef HEARTH_VNNI
         if (xq != nullptr) {
           switch (rows) {
             case 1: tiles_a8<1>(w, *xq, m0, o0, o1, y_ptr, n); break;
