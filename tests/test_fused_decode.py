@@ -104,3 +104,32 @@ def test_int8_activations_on_the_stack_equal_the_python_layers(tiny_model_factor
     assert calls.rows and llm.engine.worker.model.lm_head_quantized.int8_activations
     _, unfused = _generate(path, monkeypatch, fused=False)
     assert fused == unfused
+
+
+def test_a_failing_stage_raises_on_the_caller_and_leaves_no_thread_behind(
+    tiny_model_factory, tmp_path, monkeypatch
+):
+    """A check that fails inside the stack's parallel region (here RoPE's slot check on thread 0) comes back as
+    the kernel's error: every thread passes every barrier, so nothing hangs, and the next step runs."""
+    import torch
+
+    source = tiny_model_factory("llama", hidden_size=64, intermediate_size=128)
+    path = write_gguf(source, tmp_path / "tiny-fail.gguf", "Q4_1", "Q8_0")
+    llm, tokens = _generate(path, monkeypatch, fused=True)
+    runner = llm.engine.worker.model._decode_stack_runner
+    assert isinstance(runner, DecodeStackRunner)
+    config = llm.engine.model_config
+    rows = 2
+    hidden = torch.randn(rows, config.hidden_size)
+    half = config.head_dim // 2
+    cos, sin = torch.ones(rows, half), torch.zeros(rows, half)
+    num_slots = runner.kv_pool.layer(0)[0].shape[0]
+    page_table = torch.zeros(rows, 4, dtype=torch.long)
+    lens = torch.ones(rows, dtype=torch.long)
+    firsts = torch.zeros(rows, dtype=torch.long)
+    bad_slots = torch.tensor([0, num_slots + 5])
+    with pytest.raises(RuntimeError, match="out of range"):
+        runner.stack.forward(hidden, None, cos, sin, bad_slots, page_table, lens, firsts, 8)
+    with pytest.raises(RuntimeError, match="int64"):
+        runner.stack.forward(hidden, None, cos, sin, bad_slots.int(), page_table, lens, firsts, 8)
+    assert [r.token_ids for r in llm.generate(PROMPTS, PARAMS)] == tokens  # the engine still answers alike
