@@ -147,9 +147,12 @@ def prometheus(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) 
         while True:
             assert process.poll() is None, (root / "prometheus.log").read_text()[-2000:]
             try:
-                up = httpx.get(url + "/api/v1/query", params={"query": "up"}, timeout=2).json()
-                if up["data"]["result"] and up["data"]["result"][0]["value"][1] == "1":
-                    break
+                response = httpx.get(url + "/api/v1/query", params={"query": "up"}, timeout=2)
+                # Until its storage is open Prometheus answers 503 "Service Unavailable" (plain text).
+                if response.status_code == 200:
+                    up = response.json()
+                    if up["data"]["result"] and up["data"]["result"][0]["value"][1] == "1":
+                        break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, (root / "prometheus.log").read_text()[-2000:]
