@@ -6,8 +6,9 @@ input columns by group once at load: `perm` reorders the activations' features t
 
 - Every row count of float32 CPU activations runs on the compiled `int4_skinny_linear` kernel, which reads the
   packed nibbles (~3.5x fewer bytes than bf16) and unpacks each block of weights once for a pass of up to 8
-  rows: ~190-215 GFLOP/s on 2 AVX-512 cores at 16-256 rows, where dequantizing the weight for a oneDNN GEMM
-  cost 1.2-7x the kernel's time (the unpack dominated, not the product). A checkpoint that ships INT4 (GPTQ,
+  rows (~190 GFLOP/s on 2 AVX-512 cores at 64-256 rows). Dequantizing the weight for a float GEMM per call
+  took 2.4-20x the kernel's time at 16 rows and 0.9-6.9x at 64-256 (`scripts/bench_int4_linear.py
+  --group-size 32`, SmolLM2's shapes): the unpack, not the product, dominated it. A checkpoint that ships INT4 (GPTQ,
   AWQ, compressed-tensors, GGUF) runs with its own numerics by default: float32 activations (W4A16, as vLLM's
   Marlin path), so its tokens are the dequantized reference's. `--quantization int4` (Hearth's own RTN
   rounding, no reference to match) rounds the activations to int8 per (row, group) and takes an integer dot

@@ -2,8 +2,8 @@
 //
 // A decode layer is ~10 small kernels (two norms, four projections, RoPE + KV write, attention, SiLU x up). Run
 // from Python each costs a module call, argument checks and a dispatch: on a 30-layer model at batch 1 that
-// was ~4 ms of an 11 ms step. Here the same kernels (the very functions the Python path calls) are chained in
-// C++, so a layer's cost is the bytes its weights and KV pages take to read. The numerics are the Python
+// was ~4 ms of an 11 ms step. Here the same kernels the Python path calls (their output-range and work-item
+// entry points: skinny_linear.h, paged_decode_attention.h) are chained in C++. The numerics are the Python
 // path's exactly: the same kernels in the same order; SiLU x up is ATen's own silu and mul.
 //
 // The stack holds each layer's weights (views of the model's own tensors, nothing copied) and its KV pool
@@ -31,38 +31,12 @@
 #include <exception>
 #include <utility>
 
-at::Tensor bf16_skinny_linear(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias);
-at::Tensor int4_skinny_linear(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor zero_scaled,
-                              int64_t group_size, std::optional<at::Tensor> bias, bool int8_activations);
-at::Tensor int8_skinny_linear(at::Tensor x, at::Tensor q, at::Tensor scales, int64_t group_size,
-                              std::optional<at::Tensor> bias, bool int8_activations);
 std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps,
                                             std::optional<at::Tensor> residual);
 at::Tensor rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads, at::Tensor k_pool,
                            at::Tensor v_pool, at::Tensor slot_mapping);
 at::Tensor rotary_write_kv_fp8(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads, at::Tensor k_pool,
                                at::Tensor v_pool, at::Tensor slot_mapping, at::Tensor k_scale, at::Tensor v_scale);
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor page_table,
-                                  at::Tensor context_lens, at::Tensor first_positions, int64_t page_size,
-                                  double scale);
-at::Tensor paged_decode_attention_fp8(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor k_scale,
-                                      at::Tensor v_scale, at::Tensor page_table, at::Tensor context_lens,
-                                      at::Tensor first_positions, int64_t page_size, double scale);
-
-at::Tensor DecodeLinear::operator()(const at::Tensor& x) const {
-  switch (kind) {
-    case kInt4:
-      // As `hearth.ops.int4.int4_linear` chooses, so both paths compute alike.
-      return int4_skinny_linear(x, a, b, c, group_size, bias,
-                                int8_activations && x.size(0) <= int8_activations_max_rows);
-    case kInt8:
-      return int8_skinny_linear(x, a, b, group_size, bias, int8_activations && x.size(0) <= int8_activations_max_rows);
-    case kBf16:
-      return bf16_skinny_linear(x, a, bias);
-    default:
-      TORCH_CHECK(false, "decode stack: unknown linear kind ", kind);
-  }
-}
 
 int64_t DecodeLinear::in_features() const { return kind == kInt4 ? a.size(1) * 2 : a.size(1); }
 

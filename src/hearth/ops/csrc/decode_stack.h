@@ -19,7 +19,6 @@ struct DecodeLinear {
   int64_t int8_activations_max_rows = 0;
   std::optional<at::Tensor> bias;
 
-  at::Tensor operator()(const at::Tensor& x) const;
   // Pointers into the tensors above for `run_range` (set by `DecodeStack::add_layer`, after the checks).
   void bind();
   // Outputs [begin, end) of `x`'s projection (m rows, contiguous) into `y` (row stride y_stride).
