@@ -316,14 +316,18 @@ def test_prefill_killed_mid_transfer_every_request_still_completes(deployment: d
     not arrive, every answer equals the mixed server's, and no page leaks. Then, with no prefill server
     healthy, the router sends requests to the decode server alone."""
     root, mixed, decode = deployment["root"], deployment["mixed"], deployment["decode"]
-    doomed = serve(deployment["model"], root / "doomed.log", "--role", "prefill")
+    # A small step budget spreads the prompts over hundreds of prefill steps: with the default 2,048 a fast
+    # machine prefilled and sent all of them before /metrics showed the first (CI saw no transfer fail).
+    doomed = serve(
+        deployment["model"], root / "doomed.log", "--role", "prefill", "--max-num-batched-tokens", "32"
+    )
     router = None
     doomed.start()
     try:
         doomed.wait_ready(timeout_s=900)
         router = Router([doomed.url], [decode.url], root / "router-doomed.log")
         try:
-            # Enough prompt tokens for many prefill steps (~48 x 300 over a 2,048-token step budget), so the
+            # Enough prompt tokens for many prefill steps (~48 x 300 over a 32-token step budget), so the
             # kill below lands while most transfers are still ahead, however fast the machine and transport.
             bodies = [
                 {"prompt": f"{i} long prompt for the doomed prefill " * 40, "max_tokens": 6, "temperature": 0}
