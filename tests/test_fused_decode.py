@@ -78,6 +78,34 @@ def test_fp8_kv_decode_on_the_stack_equals_the_python_layers(tiny_model_factory,
     assert fused == unfused
 
 
+def test_a_long_context_at_batch_1_cuts_the_keys_into_chunks_with_transformers_tokens(
+    tiny_model_factory, tmp_path, monkeypatch
+):
+    """One sequence, 3 KV heads, 2 threads: the stack's attention cuts each KV head's ~300 keys into a chunk a
+    thread and merges them (`decode_attention_merge`); its tokens stay those of transformers and the Python layers."""
+    import torch
+
+    source = tiny_model_factory(
+        "llama", hidden_size=192, intermediate_size=256, num_attention_heads=6, num_key_value_heads=3
+    )
+    path = write_gguf(source, tmp_path / "tiny-3kv.gguf", "Q4_1", "Q8_0")
+    prompt = [(11 * i + 5) % 500 for i in range(300)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        calls = StackCalls(monkeypatch)
+        monkeypatch.setenv("HEARTH_FUSED_DECODE", "1")
+        llm = LLM(str(path), dtype="float32", page_size=8, device="cpu", kv_cache_memory_gib=0.02)
+        fused = llm.generate([prompt], PARAMS)[0].token_ids
+        assert calls.rows and max(calls.rows) == 1
+        monkeypatch.setenv("HEARTH_FUSED_DECODE", "0")
+        llm = LLM(str(path), dtype="float32", page_size=8, device="cpu", kv_cache_memory_gib=0.02)
+        unfused = llm.generate([prompt], PARAMS)[0].token_ids
+    finally:
+        torch.set_num_threads(before)
+    assert fused == unfused == hf_gguf_greedy(hf_gguf_model(path), prompt, PARAMS.max_tokens)
+
+
 def test_sliding_window_decode_on_the_stack_equals_transformers(tiny_model_factory, monkeypatch):
     model = tiny_model_factory("mistral", weights_dtype="bfloat16", sliding_window=9)
     calls = StackCalls(monkeypatch)

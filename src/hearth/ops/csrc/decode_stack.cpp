@@ -153,6 +153,9 @@ void DecodeStack::add_layer(DecodeLayer layer) {
   check_linear(layer.down, layer.gate_up.out_features() / 2, "down");
   TORCH_CHECK(layer.down.out_features() == hidden, "decode stack: down must give the hidden size");
   TORCH_CHECK(layers_.empty() || (layers_[0].input_norm.numel() == hidden), "decode stack: one hidden size");
+  TORCH_CHECK(layers_.empty() || (layers_[0].num_heads == layer.num_heads &&
+                                  layers_[0].num_kv_heads == layer.num_kv_heads && layers_[0].head_dim == layer.head_dim),
+              "decode stack: one attention shape (a step's attention split is planned once)");
   for (DecodeLinear* linear : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) linear->bind();
   layers_.push_back(std::move(layer));
 }
@@ -252,6 +255,11 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(at::Tensor hidden, std::
   at::Tensor normed, qkv, q, attended, projected, gate_up, activated;
   const int requested = std::max(1, at::get_num_threads());
   const bool inference_mode = c10::InferenceMode::is_enabled();
+  // One split for every layer (the stack takes only models whose layers share their attention's shape).
+  const hearth::DecodeAttentionSplit attention_split =
+      hearth::decode_attention_split(seq_lens, first_positions, layers_[0].num_kv_heads, requested);
+  std::vector<float> attention_partials(
+      attention_split.partial_floats(rows, layers_[0].num_heads, layers_[0].head_dim));
 #pragma omp parallel num_threads(requested)
   {
     // Autograd's modes are per thread: the team's threads take the caller's (the engine runs in inference
@@ -301,13 +309,19 @@ std::tuple<at::Tensor, at::Tensor> DecodeStack::forward(at::Tensor hidden, std::
                 : rotary_write_kv(qkv, cos, sin, layer.num_heads, layer.k_pool, layer.v_pool, slot_mapping);
       });
       stage(true, [&] {
-        const int64_t split = hearth::decode_attention_split(rows, layer.num_kv_heads, threads);
-        const auto [begin, end] = even_share(rows * split, t, threads);
+        const auto [begin, end] = even_share(rows * attention_split.items(), t, threads);
         const at::Tensor* k_scale = layer.k_scale.has_value() ? &*layer.k_scale : nullptr;
         const at::Tensor* v_scale = layer.v_scale.has_value() ? &*layer.v_scale : nullptr;
-        hearth::decode_attention_items(q, attended, layer.k_pool, layer.v_pool, k_scale, v_scale, page_table,
-                                       seq_lens, first_positions, page_size, layer.scale, split, begin, end);
+        hearth::decode_attention_items(q, attended, attention_partials.data(), layer.k_pool, layer.v_pool, k_scale,
+                                       v_scale, page_table, seq_lens, first_positions, page_size, layer.scale,
+                                       attention_split, begin, end);
       });
+      if (attention_split.key_chunks > 1) {
+        stage(true, [&] {
+          const auto [begin, end] = even_share(rows * layer.num_heads, t, threads);
+          hearth::decode_attention_merge(attention_partials.data(), attended, attention_split, begin, end);
+        });
+      }
       stage(true, [&] {
         const auto [begin, end] = share(hidden_size, t, threads);
         layer.o.run_range(attended.data_ptr<float>(), rows, projected.data_ptr<float>(), hidden_size, begin, end);
