@@ -17,6 +17,7 @@
 #include "activations_int8.h"
 #include "skinny_linear.h"
 #include "vnni_tile.h"
+#include "weight_prefetch.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -33,6 +34,12 @@ struct Int8Weight {
   const float* bias;      // [n] or null
   int64_t k, groups, group_size;
 };
+
+// The weights and scales of rows [o, o + rows), a few KB ahead (`weight_prefetch.h`), within [.., end).
+inline void prefetch_ahead(const Int8Weight& w, int64_t o, int64_t rows, int64_t end) {
+  hearth::prefetch_ahead(w.q, w.k, o, rows, end);
+  hearth::prefetch_ahead(w.scales, w.groups * static_cast<int64_t>(sizeof(float)), o, rows, end);
+}
 
 #define HEARTH_UNROLL _Pragma("GCC unroll 16")
 
@@ -109,10 +116,10 @@ void tile(const Int8Weight& w, const float* x, int64_t x_stride, int64_t m0, int
 
 template <int M>
 void tiles(const Int8Weight& w, const float* x, int64_t x_stride, int64_t m0, int64_t begin, int64_t end, float* y,
-           int64_t n) {
+           int64_t n, int64_t range_end) {
   constexpr int R = M == 1 ? 4 : 2;
   int64_t o = begin;
-  for (; o + R <= end; o += R) tile<M, R>(w, x, x_stride, m0, o, y, n);
+  for (; o + R <= end; o += R) prefetch_ahead(w, o, R, range_end), tile<M, R>(w, x, x_stride, m0, o, y, n);
   for (; o < end; ++o) tile<M, 1>(w, x, x_stride, m0, o, y, n);
 }
 #endif
@@ -142,10 +149,10 @@ void tile_a8(const Int8Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o
 
 template <int M>
 void tiles_a8(const Int8Weight& w, const QuantizedRows& xq, int64_t m0, int64_t begin, int64_t end, float* y,
-              int64_t n) {
+              int64_t n, int64_t range_end) {
   constexpr int R = M == 1 ? 4 : 2;
   int64_t o = begin;
-  for (; o + R <= end; o += R) tile_a8<M, R>(w, xq, m0, o, y, n);
+  for (; o + R <= end; o += R) prefetch_ahead(w, o, R, range_end), tile_a8<M, R>(w, xq, m0, o, y, n);
   for (; o < end; ++o) tile_a8<M, 1>(w, xq, m0, o, y, n);
 }
 #endif
@@ -190,20 +197,20 @@ void run_range(const Int8Weight& w, const float* x_ptr, int64_t x_stride, int64_
 #ifdef HEARTH_VNNI
         if (xq != nullptr) {
           switch (rows) {
-            case 1: tiles_a8<1>(w, *xq, m0, o0, o1, y_ptr, n); break;
-            case 2: tiles_a8<2>(w, *xq, m0, o0, o1, y_ptr, n); break;
-            case 3: tiles_a8<3>(w, *xq, m0, o0, o1, y_ptr, n); break;
-            default: tiles_a8<4>(w, *xq, m0, o0, o1, y_ptr, n); break;
+            case 1: tiles_a8<1>(w, *xq, m0, o0, o1, y_ptr, n, end); break;
+            case 2: tiles_a8<2>(w, *xq, m0, o0, o1, y_ptr, n, end); break;
+            case 3: tiles_a8<3>(w, *xq, m0, o0, o1, y_ptr, n, end); break;
+            default: tiles_a8<4>(w, *xq, m0, o0, o1, y_ptr, n, end); break;
           }
           continue;
         }
 #endif
 #ifdef HEARTH_INT8_SIMD
         switch (rows) {
-          case 1: tiles<1>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
-          case 2: tiles<2>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
-          case 3: tiles<3>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
-          default: tiles<4>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n); break;
+          case 1: tiles<1>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n, end); break;
+          case 2: tiles<2>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n, end); break;
+          case 3: tiles<3>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n, end); break;
+          default: tiles<4>(w, x_ptr, x_stride, m0, o0, o1, y_ptr, n, end); break;
         }
 #else
         for (int64_t o = o0; o < o1; ++o) scalar_rows(w, x_ptr, x_stride, m0, rows, o, y_ptr, n);
