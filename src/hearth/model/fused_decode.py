@@ -15,7 +15,7 @@ kernel, so both paths compute alike; INT4 and INT8 take theirs at every row coun
 Python layers. `HEARTH_FUSED_DECODE=0` turns it off (to compare).
 
 In one step the threads run one OpenMP region: each layer's projections split by output features and its
-attention by work items, small stages (norms, RoPE + KV write, SiLU x up) on one thread, a barrier between
+attention by work items (KV heads, and at batch < threads key chunks, merged in a stage of their own), small stages (norms, RoPE + KV write, SiLU x up) on one thread, a barrier between
 stages. Under the serving core's `OMP_WAIT_POLICY=PASSIVE` a kernel per region woke the threads ~270 times a
 step on a 30-layer model, about half of a batch-1 step.
 """

@@ -14,7 +14,8 @@
 //   summed in int16, then vpmaddwd by ones -> int32 once per group, as llama.cpp's Q4 x Q8 dot on AVX2. 32
 //   weights cost ~2 unpack ops shared by the rows and 2 integer ops per row, against 4 FMAs per row (plus
 //   the widening) for the float loop.
-// - W4A16 (exact weight-only): the nibbles are widened to float32 and FMA'd with the float activations.
+// - W4A16 (exact weight-only): the nibbles are widened to float32 and FMA'd with the float activations (on
+//   AVX-512: looked up in a table of the group's dequantized weights, `row_f32_avx512`).
 //
 // Packed layout (`hearth.ops.int4.pack_int4`): per output row, blocks of 64 weights in 32 bytes; byte b holds
 // weight b in its low nibble and weight b + 32 in its high nibble. One AND gives weights 0..31 as bytes in
