@@ -71,14 +71,25 @@ float exp_shifted(float* s, int64_t count, float max_score) {
   return total;
 }
 
+#ifdef __AVX512F__
+// Head dims the vector loops take: whole 16-float vectors, a head's row held in at most 16 registers.
+inline bool vector_head_dim(int64_t dim) { return dim % 16 == 0 && dim <= 256; }
+
+// One KV head's row (a key or a value) as dim / 16 vectors.
+inline int64_t load_head_row(const float* row, int64_t dim, __m512* vectors) {
+  const int64_t chunks = dim / 16;
+  for (int64_t c = 0; c < chunks; ++c) vectors[c] = _mm512_loadu_ps(row + 16 * c);
+  return chunks;
+}
+#endif
+
 // scores[h * stride + i] = (q_h . k_i) x fscale for the `heads` query heads of one KV head.
 inline void key_dots(const float* q, const float* key, int64_t heads, int64_t dim, float fscale, float* scores,
                      int64_t stride, int64_t i) {
 #ifdef __AVX512F__
-  if (dim % 16 == 0 && dim <= 256) {
+  if (vector_head_dim(dim)) {
     __m512 k[16];
-    const int64_t chunks = dim / 16;
-    for (int64_t c = 0; c < chunks; ++c) k[c] = _mm512_loadu_ps(key + 16 * c);
+    const int64_t chunks = load_head_row(key, dim, k);
     for (int64_t h = 0; h < heads; ++h) {
       const float* qh = q + h * dim;
       __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
@@ -100,10 +111,9 @@ inline void key_dots(const float* q, const float* key, int64_t heads, int64_t di
 inline void value_axpys(const float* value, int64_t heads, int64_t dim, const float* weights, int64_t stride,
                         int64_t i, float* acc) {
 #ifdef __AVX512F__
-  if (dim % 16 == 0 && dim <= 256) {
+  if (vector_head_dim(dim)) {
     __m512 v[16];
-    const int64_t chunks = dim / 16;
-    for (int64_t c = 0; c < chunks; ++c) v[c] = _mm512_loadu_ps(value + 16 * c);
+    const int64_t chunks = load_head_row(value, dim, v);
     for (int64_t h = 0; h < heads; ++h) {
       const __m512 w = _mm512_set1_ps(weights[h * stride + i]);
       float* a = acc + h * dim;
