@@ -96,6 +96,29 @@ def int8_parts(tensor: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, cols), _halves(blocks, 0)
 
 
+def _int4_weights(parts: list[QuantizedTensor]) -> Int4Weights:
+    """The 4-bit parts (stacked on the output dim) repacked for the INT4 kernel, with the file's numerics."""
+    q, scales, zero_scaled = (torch.cat(pieces) for pieces in zip(*(int4_parts(p) for p in parts)))
+    return Int4Weights(
+        packed=pack_int4(q),
+        scales=scales.contiguous(),
+        zero_scaled=zero_scaled.contiguous(),
+        group_size=GROUP,
+        int8_activations=int8_activations_default(checkpoint_format=True),
+    )
+
+
+def _int8_weights(parts: list[QuantizedTensor]) -> Int8Weights:
+    """The Q8_0 parts (stacked on the output dim) for the INT8 kernel, with the file's numerics."""
+    q8, scales8 = (torch.cat(pieces) for pieces in zip(*(int8_parts(p) for p in parts)))
+    return Int8Weights(
+        q8.contiguous(),
+        scales8.contiguous(),
+        GROUP,
+        int8_activations=int8_activations_default(checkpoint_format=True),
+    )
+
+
 @register_quantization_method("gguf")
 class GGUFLinearMethod(QuantizationMethod):
     """Each layer keeps the file's parts (`gguf_parts`) until loaded, then holds `int4` (`Int4Weights`,
@@ -139,23 +162,10 @@ class GGUFLinearMethod(QuantizationMethod):
         del layer.gguf_parts, layer.weight
         native = all(isinstance(p, QuantizedTensor) and p.type_name in NATIVE_INT4_TYPES for p in parts)
         if native and layer.input_size % BLOCK == 0:
-            q, scales, zero_scaled = (torch.cat(pieces) for pieces in zip(*(int4_parts(p) for p in parts)))
-            layer.int4 = Int4Weights(
-                packed=pack_int4(q),
-                scales=scales.contiguous(),
-                zero_scaled=zero_scaled.contiguous(),
-                group_size=GROUP,
-                int8_activations=int8_activations_default(checkpoint_format=True),
-            )
+            layer.int4 = _int4_weights(parts)
             return
         if all(isinstance(p, QuantizedTensor) and p.type_name == "Q8_0" for p in parts):
-            q8, scales8 = (torch.cat(pieces) for pieces in zip(*(int8_parts(p) for p in parts)))
-            layer.int8 = Int8Weights(
-                q8.contiguous(),
-                scales8.contiguous(),
-                GROUP,
-                int8_activations=int8_activations_default(checkpoint_format=True),
-            )
+            layer.int8 = _int8_weights(parts)
             return
         types = {p.type_name if isinstance(p, QuantizedTensor) else str(p.dtype) for p in parts}
         if not types <= self._dense_types:
@@ -177,22 +187,9 @@ class GGUFLinearMethod(QuantizationMethod):
         if weight.device.type != "cpu":
             return None
         if source.type_name == "Q8_0":
-            q8, scales8 = int8_parts(source)
-            return Int8Weights(
-                q8.contiguous(),
-                scales8.contiguous(),
-                GROUP,
-                int8_activations=int8_activations_default(checkpoint_format=True),
-            )
+            return _int8_weights([source])
         if source.type_name in NATIVE_INT4_TYPES and source.shape[1] % BLOCK == 0:
-            q, scales, zero_scaled = int4_parts(source)
-            return Int4Weights(
-                packed=pack_int4(q),
-                scales=scales.contiguous(),
-                zero_scaled=zero_scaled.contiguous(),
-                group_size=GROUP,
-                int8_activations=int8_activations_default(checkpoint_format=True),
-            )
+            return _int4_weights([source])
         return None
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -214,17 +214,7 @@ void tile_a8_vnni(const Weight& w, const QuantizedRows& xq, int64_t m0, int64_t 
   };
   float dots[M][R];
   vnni_tile<M, R>(xq, w.scales, w.k, w.groups, w.group_size, m0, o, block, dots);
-  HEARTH_UNROLL
-  for (int m = 0; m < M; ++m) {
-    const float* xsum = xq.sum.data() + (m0 + m) * w.groups;
-    HEARTH_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const float* zero_scaled = w.zero_scaled + (o + r) * w.groups;
-      float zero_term = 0.f;
-      for (int64_t gi = 0; gi < w.groups; ++gi) zero_term += zero_scaled[gi] * xsum[gi];
-      y[(m0 + m) * y_stride + o + r] = dots[m][r] - zero_term + (w.bias ? w.bias[o + r] : 0.f);
-    }
-  }
+  store_vnni_tile<M, R>(dots, xq, w.zero_scaled, 1.f, w.groups, w.bias, m0, o, y, y_stride);
 }
 
 template <int M>

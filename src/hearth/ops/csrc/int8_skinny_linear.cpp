@@ -134,17 +134,7 @@ void tile_a8(const Int8Weight& w, const QuantizedRows& xq, int64_t m0, int64_t o
   auto block = [&](int r, int64_t b) { return _mm512_xor_si512(_mm512_loadu_si512(w.q + (o + r) * w.k + b * 64), flip); };
   float dots[M][R];
   vnni_tile<M, R>(xq, w.scales, w.k, w.groups, w.group_size, m0, o, block, dots);
-  HEARTH_UNROLL
-  for (int m = 0; m < M; ++m) {
-    const float* xsum = xq.sum.data() + (m0 + m) * w.groups;
-    HEARTH_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const float* sw = w.scales + (o + r) * w.groups;
-      float offset = 0.f;  // the flipped sign bit's 128 x sum(x), per group
-      for (int64_t gi = 0; gi < w.groups; ++gi) offset += sw[gi] * xsum[gi];
-      y[(m0 + m) * y_stride + o + r] = dots[m][r] - 128.f * offset + (w.bias ? w.bias[o + r] : 0.f);
-    }
-  }
+  store_vnni_tile<M, R>(dots, xq, w.scales, 128.f, w.groups, w.bias, m0, o, y, y_stride);  // the sign bit's 128 x scale
 }
 
 template <int M>

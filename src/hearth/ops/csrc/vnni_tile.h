@@ -75,5 +75,25 @@ inline void vnni_tile(const QuantizedRows& xq, const float* scales, int64_t k, i
     for (int r = 0; r < R; ++r) dots[m][r] = _mm512_reduce_add_ps(total[m][r]);
 }
 
+// y[row m0 + m, output o + r] = dots[m][r] - offset_scale x sum_g offsets[o + r][g] x xq.sum[m0 + m][g] + bias[o + r]:
+// the tile's dots with what the weights' unsigned encoding added per group taken off (INT4: zero x scale; INT8:
+// 128 x scale, the flipped sign bit). `offsets` is [outputs, groups]; `bias` [outputs] or null.
+template <int M, int R>
+inline void store_vnni_tile(const float (&dots)[M][R], const QuantizedRows& xq, const float* offsets,
+                            float offset_scale, int64_t groups, const float* bias, int64_t m0, int64_t o, float* y,
+                            int64_t y_stride) {
+#pragma GCC unroll 16
+  for (int m = 0; m < M; ++m) {
+    const float* xsum = xq.sum.data() + (m0 + m) * groups;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float* row = offsets + (o + r) * groups;
+      float offset = 0.f;
+      for (int64_t g = 0; g < groups; ++g) offset += row[g] * xsum[g];
+      y[(m0 + m) * y_stride + o + r] = dots[m][r] - offset_scale * offset + (bias ? bias[o + r] : 0.f);
+    }
+  }
+}
+
 }  // namespace
 #endif
