@@ -133,14 +133,18 @@ class DecodeStackRunner:
         if model.first_layer != 0 or not (model.is_first_stage and model.is_last_stage):
             return None
         stack = stack_class()
-        head_dims = set()
+        # One attention shape for every layer: the stack plans a step's attention split once (`add_layer`
+        # refuses another shape, so a model with several falls back here instead).
+        shapes: set[tuple[int, int, int]] = set()
         kinds: set[int] = set()
         for index in range(model.first_layer, model.end_layer):
             layer = model.layers[index]
             if not _plain_layer(layer):
                 return None
             attn, mlp = layer.self_attn, layer.mlp
-            head_dims.add(attn.head_dim)
+            shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim))
+            if len(shapes) != 1:
+                return None
             linears = [
                 _decode_linear(part, linear_class)
                 for part in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -168,10 +172,11 @@ class DecodeStackRunner:
                 attn.head_dim,
                 attn.scale,
             )
-        if len(head_dims) != 1:
+        if not shapes:
             return None
         max_rows = BF16_MAX_ROWS if BF16 in kinds else None
-        return cls(stack, kv_pool, kv_pool.layer(0)[0].data_ptr(), head_dims.pop(), max_rows)
+        head_dim = shapes.pop()[2]
+        return cls(stack, kv_pool, kv_pool.layer(0)[0].data_ptr(), head_dim, max_rows)
 
     def applies(
         self, ctx: AttentionContext, hidden: torch.Tensor, cos: torch.Tensor, num_sampled: int
