@@ -6,7 +6,7 @@ input columns by group once at load: `perm` reorders the activations' features t
 
 - Every row count of float32 CPU activations runs on the compiled `int4_skinny_linear` kernel, which reads the
   packed nibbles (~3.5x fewer bytes than bf16) and unpacks each block of weights once for a pass of up to 8
-  rows (~190 GFLOP/s on 2 AVX-512 cores at 64-256 rows). Dequantizing the weight for a float GEMM per call
+  rows (~310 GFLOP/s on 2 AVX-512 cores at 256-2,048 rows, docs/benchmarks.md session 9). Dequantizing the weight for a float GEMM per call
   took 2.4-20x the kernel's time at 16 rows and 0.9-6.9x at 64-256 (`scripts/bench_int4_linear.py
   --group-size 32`, SmolLM2's shapes): the unpack, not the product, dominated it. A checkpoint that ships INT4 (GPTQ,
   AWQ, compressed-tensors, GGUF) runs with its own numerics by default: float32 activations (W4A16, as vLLM's
