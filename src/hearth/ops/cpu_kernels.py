@@ -7,6 +7,8 @@
   reads half the weight bytes of a float32 copy (docs/benchmarks.md).
 - RMSNorm, fused with the residual add before it: one call instead of ~9 small torch ops.
 - RoPE on the fused qkv projection with the KV write: one call instead of ~25 small torch ops.
+- Prefill attention on tiles (AVX512-BF16 or AVX-512): a prompt chunk against its paged context, flash-style,
+  several times torch's CPU SDPA over gathered pages (`csrc/prefill_attention.cpp`).
 
 Building takes ~60 s the first time on a machine (5-10 min on a busy one) and is cached under torch's
 extension directory, keyed by the CPU's features and a hash of the kernel sources, flags and torch
@@ -48,6 +50,7 @@ _SOURCES = [
         "int8_skinny_linear.cpp",
         "decode_stack.cpp",
         "page_tags.cpp",
+        "prefill_attention.cpp",
     )
 ]
 # Vectorized float reductions need reassociation; finite-math is not assumed (masks use -inf).
@@ -76,6 +79,8 @@ _int8_skinny_linear: Callable[..., object] | None = None
 _decode_stack_module: Any = None  # the extension module, for its DecodeStack / DecodeLinear classes
 _paged_decode_attention_bf16: Callable[..., object] | None = None
 _check_page_tags: Callable[..., list[int]] | None = None
+_prefill_attention: Callable[..., Any] | None = None
+_prefill_attention_isa: Callable[[Any], str] | None = None
 _build_thread: threading.Thread | None = None
 _builders: set[subprocess.Popen[bytes]] = set()  # compiler processes running now
 PROGRESS_INTERVAL_S = 30.0
@@ -246,7 +251,7 @@ def _build() -> None:
         _paged_decode_attention_fp8, \
         _rotary_write_kv_fp8
     global _int4_skinny_linear, _int8_skinny_linear, _paged_decode_attention_bf16, _check_page_tags
-    global _decode_stack_module
+    global _decode_stack_module, _prefill_attention, _prefill_attention_isa
     try:
         from torch.utils.cpp_extension import load
 
@@ -275,6 +280,8 @@ def _build() -> None:
     _decode_stack_module = module
     _paged_decode_attention_bf16 = module.paged_decode_attention_bf16
     _check_page_tags = module.check_page_tags
+    _prefill_attention = module.prefill_attention
+    _prefill_attention_isa = module.prefill_attention_isa
     logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm, rotary + KV write)")
 
 
@@ -379,3 +386,12 @@ def check_page_tags_kernel() -> Callable[..., list[int]] | None:
     """`check_page_tags(pool_tags, page_table, expected_tags, padding_tag) -> [flat index, ...]` over the
     step's int lists (the KV integrity check, `hearth.kv.integrity`) once built; else None."""
     return _check_page_tags
+
+
+def prefill_attention_kernel(dtype: Any) -> Callable[..., Any] | None:
+    """`prefill_attention(q, k_pool, v_pool, k_scale, v_scale, page_ids, context_len, page_size, window, scale)`
+    for queries of `dtype` (a torch dtype) once built, where this build has tile math for it (AVX512-BF16 for
+    bfloat16, AVX-512 for float32); else None (older CPUs: the torch path)."""
+    if _prefill_attention is None or _prefill_attention_isa is None or not _prefill_attention_isa(dtype):
+        return None
+    return _prefill_attention

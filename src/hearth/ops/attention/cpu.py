@@ -12,7 +12,11 @@ rows, the steady state of speculative decoding) runs as one decode-kernel call p
 each with its row's page table and its own context length (a per-query table built once per step),
 reading the pages in place. The prefill path it replaces gathers each row's pages into contiguous tensors
 and builds a causal mask per row (in `prepare` and per layer), ~1.35x a decode step on the demo model.
-Steps with a longer row (a prefill chunk) keep the torch path for their multi-token rows.
+
+Longer rows (prompt chunks) go through the compiled prefill kernel (`csrc/prefill_attention.cpp`): flash-style
+tiles over the chunk's pages read in place, causal and sliding-window masks applied by position, bf16 queries on
+AVX512-BF16 and float32 ones on AVX-512, over float32, bf16 or FP8 pools. Chunked local attention (Llama 4), head
+dims that are not a multiple of 16, other ISAs and devices keep the torch path (SDPA over the gathered pages).
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from hearth.ops.attention.backend import AttentionKind, AttentionMetadata, AttentionStepInput, PagedKVCache
-from hearth.ops.attention.torch_ref import TorchMetadata, TorchRefBackend
+from hearth.ops.attention.torch_ref import PrefillChunk, TorchMetadata, TorchRefBackend
 from hearth.ops.cpu_kernels import (
     paged_decode_attention_bf16_kernel,
     paged_decode_attention_fp8_kernel,
     paged_decode_attention_kernel,
+    prefill_attention_kernel,
 )
 from hearth.ops.fp8 import is_fp8
 
@@ -83,6 +88,32 @@ class CpuBackend(TorchRefBackend):
 
     def _uses_decode_kernel(self) -> bool:
         return self._kernel() is not None
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+        chunk: PrefillChunk,
+        md: TorchMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        kernel = prefill_attention_kernel(q.dtype) if q.device.type == "cpu" else None
+        if (
+            kernel is None
+            or chunk.kind.chunk_size is not None
+            or q.shape[-1] % 16
+            or k_pool.shape[-1] != q.shape[-1]
+            or v_pool.shape != k_pool.shape
+            or q.shape[1] % k_pool.shape[1]
+        ):
+            return super()._prefill(q, k_pool, v_pool, kv_scales, chunk, md, scale)
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+        window = chunk.kind.sliding_window or 0
+        return kernel(
+            q, k_pool, v_pool, k_scale, v_scale, chunk.page_ids, chunk.context_len, md.page_size, window, scale
+        )
 
     def _prepare_kind(self, step_input: AttentionStepInput, kind: AttentionKind) -> TorchMetadata:
         if step_input.num_decode_rows < len(step_input.seq_lens) and self.verify_rows_kernel:

@@ -33,7 +33,25 @@ class PrefillChunk:
     query_len: int
     page_ids: torch.Tensor  # long [num_pages]: the pages holding the chunk's context, in position order
     context_len: int
-    mask: torch.Tensor | None  # bool [query_len, context_len] (True = attend), None when plain causal
+    kind: AttentionKind
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def plain_causal(self) -> bool:
+        """Whether query i sees keys [0, first position + i]: no cached prefix, no window that bites."""
+        return self.context_len == self.query_len and not self.kind.limits(self.context_len)
+
+    def mask(self) -> torch.Tensor | None:
+        """bool `[query_len, context_len]` (True = attend), None when plain causal. Built on first use and
+        kept for the step's other layers: kernels that mask by position never pay for it."""
+        if self._mask is None and not self.plain_causal:
+            device = self.page_ids.device
+            end, start = self.context_len, self.context_len - self.query_len
+            query_pos = torch.arange(start, end, device=device)[:, None]
+            key_pos = torch.arange(end, device=device)[None, :]
+            mask = key_pos <= query_pos
+            self._mask = self.kind.restrict(mask, query_pos, key_pos) if self.kind.limits(end) else mask
+        return self._mask
 
 
 @dataclass
@@ -87,17 +105,8 @@ class TorchRefBackend(AttentionBackend):
         for row in range(n, md.num_rows):
             query_start, query_len = starts[row], starts[row + 1] - starts[row]
             end = md.seq_lens_host[row]
-            start = end - query_len
-            mask = None
-            window_bites = kind.limits(end)
-            if start > 0 or window_bites:
-                query_pos = torch.arange(start, end, device=self.device)[:, None]
-                key_pos = torch.arange(end, device=self.device)[None, :]
-                mask = key_pos <= query_pos
-                if window_bites:
-                    mask = kind.restrict(mask, query_pos, key_pos)
             page_ids = md.page_table[row, : -(-end // self.page_size)]
-            md.prefills.append(PrefillChunk(query_start, query_len, page_ids, end, mask))
+            md.prefills.append(PrefillChunk(query_start, query_len, page_ids, end, kind))
         return md
 
     def forward(
@@ -117,30 +126,44 @@ class TorchRefBackend(AttentionBackend):
             kv_pool.store(layer_index, metadata.slot_mapping, k, v)
         k_pool, v_pool = kv_pool.layer(layer_index)
         kv_scales = kv_pool.kv_scales(layer_index)
-        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         if metadata.num_decode_rows == q.shape[0]:  # a pure decode step: no copy into an output buffer
             return self._decode(q, k_pool, v_pool, metadata, scale, kv_scales)
-        out = torch.empty_like(q)
         n = metadata.num_decode_rows
+        if not n and len(metadata.prefills) == 1 and metadata.prefills[0].query_len == q.shape[0]:
+            # One prompt chunk alone (no padding rows): its result is the output.
+            return self._prefill(q, k_pool, v_pool, kv_scales, metadata.prefills[0], metadata, scale)
+        out = torch.empty_like(q)
         if n:
             out[:n] = self._decode(q[:n], k_pool, v_pool, metadata, scale, kv_scales)
-        page_size = metadata.page_size
-        enable_gqa = q.shape[1] != k_pool.shape[1]
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            keys = gather_pages_as(k_pool, chunk.page_ids, page_size, q.dtype, k_scale)[: chunk.context_len]
-            values = gather_pages_as(v_pool, chunk.page_ids, page_size, q.dtype, v_scale)[: chunk.context_len]
-            attended = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0),
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
-                attn_mask=chunk.mask,
-                is_causal=chunk.mask is None,
-                scale=scale,
-                enable_gqa=enable_gqa,
-            )
-            out[rows] = attended.squeeze(0).transpose(0, 1)
+            out[rows] = self._prefill(q[rows], k_pool, v_pool, kv_scales, chunk, metadata, scale)
         return out
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+        chunk: PrefillChunk,
+        md: TorchMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """One multi-token row's attention, `[query_len, heads, dim]`: SDPA over its gathered pages."""
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+        keys = gather_pages_as(k_pool, chunk.page_ids, md.page_size, q.dtype, k_scale)[: chunk.context_len]
+        values = gather_pages_as(v_pool, chunk.page_ids, md.page_size, q.dtype, v_scale)[: chunk.context_len]
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask(),
+            is_causal=chunk.plain_causal,
+            scale=scale,
+            enable_gqa=q.shape[1] != k_pool.shape[1],
+        )
+        return attended.squeeze(0).transpose(0, 1)
 
     def _decode(
         self,

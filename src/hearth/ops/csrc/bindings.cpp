@@ -26,6 +26,10 @@ torch::Tensor rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tenso
                               torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slot_mapping);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   std::optional<torch::Tensor> residual);
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, std::optional<at::Tensor> k_scale,
+                             std::optional<at::Tensor> v_scale, at::Tensor page_ids, int64_t context_len,
+                             int64_t page_size, int64_t window, double scale);
+std::string prefill_attention_isa(at::ScalarType dtype);
 PyObject* check_page_tags_lists(const at::Tensor& pool_tags, PyObject* page_table, PyObject* expected,
                                 int64_t padding_tag);
 
@@ -50,6 +54,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w^T for a few float32 rows and an INT8 weight with a float32 scale per group (CPU; GGUF Q8_0)",
         pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scales"), pybind11::arg("group_size"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("int8_activations") = false);
+  m.def("prefill_attention", &prefill_attention,
+        "causal flash-style attention of a prompt chunk over its paged context (CPU tiles: AVX512-BF16 or AVX-512)",
+        pybind11::arg("q"), pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("k_scale"),
+        pybind11::arg("v_scale"), pybind11::arg("page_ids"), pybind11::arg("context_len"), pybind11::arg("page_size"),
+        pybind11::arg("window"), pybind11::arg("scale"));
+  m.def("prefill_attention_isa", &prefill_attention_isa,
+        "the tile math this build has for queries of a dtype: avx512_bf16, avx512, or '' (none)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows, optionally after adding a residual: (out, x + residual)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   pybind11::class_<DecodeLinear>(m, "DecodeLinear")
