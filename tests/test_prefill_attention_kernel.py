@@ -67,7 +67,9 @@ CASES = [
 
 @pytest.mark.parametrize("queries,context_len,heads,kv_heads,dim,window,page_size", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_attention_matches_float64(queries, context_len, heads, kv_heads, dim, window, page_size, dtype):
+def test_prefill_attention_matches_float64(
+    queries, context_len, heads, kv_heads, dim, window, page_size, dtype
+):
     kernel = _kernel_or_skip(dtype)
     k, v, pages, slots = _pools(context_len, kv_heads, dim, page_size, dtype, seed=queries + dim)
     q = torch.randn(queries, heads, dim, generator=torch.Generator().manual_seed(1)).to(dtype)

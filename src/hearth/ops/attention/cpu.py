@@ -112,7 +112,16 @@ class CpuBackend(TorchRefBackend):
         k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
         window = chunk.kind.sliding_window or 0
         return kernel(
-            q, k_pool, v_pool, k_scale, v_scale, chunk.page_ids, chunk.context_len, md.page_size, window, scale
+            q,
+            k_pool,
+            v_pool,
+            k_scale,
+            v_scale,
+            chunk.page_ids,
+            chunk.context_len,
+            md.page_size,
+            window,
+            scale,
         )
 
     def _prepare_kind(self, step_input: AttentionStepInput, kind: AttentionKind) -> TorchMetadata:
