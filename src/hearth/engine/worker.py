@@ -41,6 +41,7 @@ from hearth.model.quantization.select import resolve_quantization
 from hearth.ops import cpu_kernels
 from hearth.ops.attention import AttentionBackend, AttentionContext, AttentionMetadata, select_backend
 from hearth.ops.attention.backend import AttentionKind
+from hearth.ops.prefill_math import prefill_math_scope, resolve_prefill_math
 from hearth.parallel.state import parallel_state
 from hearth.parallel.topology import rank_kv_heads
 
@@ -121,6 +122,12 @@ class Worker:
             layers=stage if parallel.pp_size > 1 else None,
             quantization=quantization,
             quant_config=quant_config,
+        )
+        self.prefill_math = resolve_prefill_math(
+            getattr(config, "prefill_math", "auto"),
+            quantized=quantization != "unquantized",
+            activations=dtype,
+            device=self.device,
         )
         if config.speculative_method == "eagle3" and config.speculative_model is not None:
             # Every rank runs the layers the same way (the last layer over every row when its output is
@@ -266,9 +273,10 @@ class Worker:
     def forward(self, step: ForwardBatch) -> torch.Tensor | None:
         """float32 logits `[len(step.logits_indices), vocab]` (the KV of the step's tokens is written);
         None on a pipeline stage other than the last."""
-        if parallel_state().pp_size > 1:
-            return forward_micro_batches(self._forward_one, step, self.micro_batches)
-        return self._forward_one(step)
+        with prefill_math_scope(self.prefill_math):
+            if parallel_state().pp_size > 1:
+                return forward_micro_batches(self._forward_one, step, self.micro_batches)
+            return self._forward_one(step)
 
     def _forward_one(self, step: ForwardBatch) -> torch.Tensor | None:
         graphs = self.decode_graphs

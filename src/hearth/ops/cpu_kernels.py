@@ -51,6 +51,7 @@ _SOURCES = [
         "decode_stack.cpp",
         "page_tags.cpp",
         "prefill_attention.cpp",
+        "dequantize_bf16.cpp",
     )
 ]
 # Vectorized float reductions need reassociation; finite-math is not assumed (masks use -inf).
@@ -81,6 +82,8 @@ _paged_decode_attention_bf16: Callable[..., object] | None = None
 _check_page_tags: Callable[..., list[int]] | None = None
 _prefill_attention: Callable[..., Any] | None = None
 _prefill_attention_isa: Callable[[Any], str] | None = None
+_int4_dequantize_bf16: Callable[..., Any] | None = None
+_int8_dequantize_bf16: Callable[..., Any] | None = None
 _build_thread: threading.Thread | None = None
 _builders: set[subprocess.Popen[bytes]] = set()  # compiler processes running now
 PROGRESS_INTERVAL_S = 30.0
@@ -252,6 +255,7 @@ def _build() -> None:
         _rotary_write_kv_fp8
     global _int4_skinny_linear, _int8_skinny_linear, _paged_decode_attention_bf16, _check_page_tags
     global _decode_stack_module, _prefill_attention, _prefill_attention_isa
+    global _int4_dequantize_bf16, _int8_dequantize_bf16
     try:
         from torch.utils.cpp_extension import load
 
@@ -282,6 +286,8 @@ def _build() -> None:
     _check_page_tags = module.check_page_tags
     _prefill_attention = module.prefill_attention
     _prefill_attention_isa = module.prefill_attention_isa
+    _int4_dequantize_bf16 = module.int4_dequantize_bf16
+    _int8_dequantize_bf16 = module.int8_dequantize_bf16
     logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm, rotary + KV write)")
 
 
@@ -395,3 +401,13 @@ def prefill_attention_kernel(dtype: Any) -> Callable[..., Any] | None:
     if _prefill_attention is None or _prefill_attention_isa is None or not _prefill_attention_isa(dtype):
         return None
     return _prefill_attention
+
+
+def int4_dequantize_bf16_kernel() -> Callable[..., Any] | None:
+    """`int4_dequantize_bf16(packed, scales, zero_scaled, group_size) -> bf16 [out, in]` once built; else None."""
+    return _int4_dequantize_bf16
+
+
+def int8_dequantize_bf16_kernel() -> Callable[..., Any] | None:
+    """`int8_dequantize_bf16(q, scales, group_size) -> bf16 [out, in]` once built; else None."""
+    return _int8_dequantize_bf16

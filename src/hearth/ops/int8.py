@@ -6,6 +6,7 @@ bytes read; blocks of outputs stay in cache across passes of rows, so many rows 
 With `int8_activations` (the `HEARTH_INT4_ACTIVATIONS=int8` opt-in, as llama.cpp's Q8_0 x Q8_0) up to
 `INT8_ACTIVATION_MAX_ROWS` rows are rounded to int8 per (row, group) and multiplied as integers (AVX-512 VNNI;
 float activations on CPUs without it, and for more rows).
+Prompt chunks under bf16 prefill math (`hearth.ops.prefill_math`) dequantize the weight to bf16 for oneDNN's GEMM.
 Otherwise (no kernel, another device or dtype) each call dequantizes the weight to the activations' dtype and
 multiplies: the products are the format's own either way, so the result is the dequantized reference's up to
 summation order.
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hearth.ops.cpu_kernels import int8_skinny_linear_kernel
+from hearth.ops.cpu_kernels import int8_dequantize_bf16_kernel, int8_skinny_linear_kernel
+from hearth.ops.prefill_math import bf16_rows, bf16_tile_linear
 
 INT8_ACTIVATION_MAX_ROWS = 16  # as INT4's W4A8: decode rows; prefill keeps float activations
 
@@ -43,6 +45,8 @@ def dequantize_int8(weights: Int8Weights) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, weights: Int8Weights, bias: torch.Tensor | None) -> torch.Tensor:
+    if bf16_rows(x) and weights.group_size % 16 == 0 and (dequantize := int8_dequantize_bf16_kernel()):
+        return bf16_tile_linear(x, dequantize(weights.q, weights.scales, weights.group_size), bias)
     if (
         x.dtype == torch.float32
         and x.device.type == "cpu"

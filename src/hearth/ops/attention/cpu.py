@@ -15,7 +15,8 @@ and builds a causal mask per row (in `prepare` and per layer), ~1.35x a decode s
 
 Longer rows (prompt chunks) go through the compiled prefill kernel (`csrc/prefill_attention.cpp`): flash-style
 tiles over the chunk's pages read in place, causal and sliding-window masks applied by position, bf16 queries on
-AVX512-BF16 and float32 ones on AVX-512, over float32, bf16 or FP8 pools. Chunked local attention (Llama 4), head
+AVX512-BF16 and float32 ones on AVX-512, over float32, bf16 or FP8 pools; float32 queries on the bf16 tiles under bf16 prefill math
+(`hearth.ops.prefill_math`). Chunked local attention (Llama 4), head
 dims that are not a multiple of 16, other ISAs and devices keep the torch path (SDPA over the gathered pages).
 """
 
@@ -35,6 +36,7 @@ from hearth.ops.cpu_kernels import (
     prefill_attention_kernel,
 )
 from hearth.ops.fp8 import is_fp8
+from hearth.ops.prefill_math import bf16_rows
 
 
 def _bf16_decode(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -110,19 +112,15 @@ class CpuBackend(TorchRefBackend):
         ):
             return super()._prefill(q, k_pool, v_pool, kv_scales, chunk, md, scale)
         k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
-        window = chunk.kind.sliding_window or 0
-        return kernel(
-            q,
-            k_pool,
-            v_pool,
-            k_scale,
-            v_scale,
-            chunk.page_ids,
-            chunk.context_len,
-            md.page_size,
-            window,
-            scale,
-        )
+        pages, context_len, window = chunk.page_ids, chunk.context_len, chunk.kind.sliding_window or 0
+        if bf16_rows(q) and (bf16_kernel := prefill_attention_kernel(torch.bfloat16)) is not None:
+            # bf16 prefill math: bf16 tiles over the float32 (or FP8) pool, converted as it is packed.
+            q_bf16 = q.to(torch.bfloat16)
+            attended = bf16_kernel(
+                q_bf16, k_pool, v_pool, k_scale, v_scale, pages, context_len, md.page_size, window, scale
+            )
+            return attended.float()
+        return kernel(q, k_pool, v_pool, k_scale, v_scale, pages, context_len, md.page_size, window, scale)
 
     def _prepare_kind(self, step_input: AttentionStepInput, kind: AttentionKind) -> TorchMetadata:
         if step_input.num_decode_rows < len(step_input.seq_lens) and self.verify_rows_kernel:
