@@ -29,6 +29,7 @@ import msgspec
 import zmq
 
 from hearth.engine.config import EngineConfig
+from hearth.engine.memory_defaults import CORE_MEMORY_ENVIRONMENT, memory_defaults_enabled
 from hearth.engine.messages import (
     AbortRequests,
     CoreFailed,
@@ -366,30 +367,10 @@ def _core_environment() -> dict[str, str]:
     """
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if env.get("HEARTH_CORE_MEMORY_DEFAULTS", "1") != "0":  # 0: glibc's and oneDNN's own defaults (A/B runs)
+    if memory_defaults_enabled(env):
         for name, value in CORE_MEMORY_ENVIRONMENT.items():
             env.setdefault(name, value)
     return env
-
-
-# Keep the core's RSS flat under a long mixed load (issue 19: x1.7-1.8 after warm-up without these).
-# glibc raises its mmap threshold after each large free until activations of every batch size live in
-# the heap, fragmented and never returned; a fixed threshold stops that, and two arenas bound the
-# per-thread heaps OpenMP threads would each grow. The threshold is 64 MiB, not lower: every block
-# above it is a fresh mmap, page-faulted in and zeroed on each use, and at 1 MiB that was most of a
-# prefill's activations (a 2,048-token step of the 40M bench model 1.5x slower, served c16 throughput
-# -20%); with activations bucketed by `row_buckets` the heap's blocks repeat and RSS stays flat.
-# oneDNN keeps a primitive (JIT code and scratch memory) per matmul shape; `hearth.ops.row_buckets` pads
-# row counts to a few dozen bucket sizes, so its cache must hold all of them (buckets x the model's
-# distinct weight shapes, a few hundred): at 64 it thrashed, rebuilding primitives every step, which was
-# slower and grew RSS (833 -> 1112 MB over 3 passes of 120 shapes, flat at 1024). Each can be overridden
-# from the environment.
-CORE_MEMORY_ENVIRONMENT = {
-    "MALLOC_ARENA_MAX": "2",
-    "MALLOC_MMAP_THRESHOLD_": str(64 * 1024 * 1024),
-    "MALLOC_TRIM_THRESHOLD_": str(4 * 1024 * 1024),
-    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024",
-}
 
 
 def _describe_exit(code: int) -> str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
+from hearth.engine import memory_defaults
 from hearth.engine.config import EngineConfig
 from hearth.engine.engine import Engine
 from hearth.engine.factory import build_engine
@@ -48,6 +49,7 @@ class _Collected:
 
 class LLM:
     def __init__(self, model: str, **engine_options: Any) -> None:
+        memory_defaults.apply_in_process()
         self.engine: Engine = build_engine(EngineConfig(model=str(model), **engine_options))
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._ids = count()
