@@ -113,3 +113,26 @@ def test_prefill_attention_refuses_what_it_cannot_read():
         kernel(q, k.to(FP8_DTYPE), v.to(FP8_DTYPE), None, None, pages, 64, 16, 0, 0.125)
     with pytest.raises(RuntimeError, match="queries <= context_len"):
         kernel(torch.randn(70, 4, 64), k, v, None, None, pages, 64, 16, 0, 0.125)
+
+
+def test_bf16_rotary_kv_write_and_silu_mul_are_the_torch_paths_bit_for_bit():
+    from hearth.model.rotary import apply_rotary
+
+    rotary, silu_mul = cpu_kernels.rotary_write_kv_bf16_kernel(), cpu_kernels.silu_and_mul_bf16_kernel()
+    assert rotary is not None and silu_mul is not None
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, kv_heads, dim = 150, 6, 2, 64
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(torch.bfloat16)
+    angles = torch.randn(tokens, dim // 2, generator=gen) * 5
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    k_pool = torch.zeros(200, kv_heads, dim, dtype=torch.bfloat16)
+    v_pool = torch.zeros_like(k_pool)
+    slots = torch.randperm(200, generator=gen)[:tokens]
+    q = rotary(qkv, cos, sin, heads, k_pool, v_pool, slots)
+    q_ref, k_ref, v_ref = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    assert torch.equal(q, apply_rotary(q_ref.view(tokens, heads, dim), cos, sin))
+    assert torch.equal(k_pool[slots], apply_rotary(k_ref.view(tokens, kv_heads, dim), cos, sin))
+    assert torch.equal(v_pool[slots], v_ref.view(tokens, kv_heads, dim))
+    gate_up = (torch.randn(70, 2 * 200, generator=gen) * 4).to(torch.bfloat16)  # 200: a vector tail of 8
+    gate, up = gate_up.split(200, dim=-1)
+    assert torch.equal(silu_mul(gate_up), torch.nn.functional.silu(gate) * up)

@@ -52,6 +52,7 @@ _SOURCES = [
         "page_tags.cpp",
         "prefill_attention.cpp",
         "dequantize_bf16.cpp",
+        "silu_and_mul.cpp",
     )
 ]
 # Vectorized float reductions need reassociation; finite-math is not assumed (masks use -inf).
@@ -84,6 +85,8 @@ _prefill_attention: Callable[..., Any] | None = None
 _prefill_attention_isa: Callable[[Any], str] | None = None
 _int4_dequantize_bf16: Callable[..., Any] | None = None
 _int8_dequantize_bf16: Callable[..., Any] | None = None
+_rotary_write_kv_bf16: Callable[..., Any] | None = None
+_silu_and_mul_bf16: Callable[..., Any] | None = None
 _build_thread: threading.Thread | None = None
 _builders: set[subprocess.Popen[bytes]] = set()  # compiler processes running now
 PROGRESS_INTERVAL_S = 30.0
@@ -255,7 +258,7 @@ def _build() -> None:
         _rotary_write_kv_fp8
     global _int4_skinny_linear, _int8_skinny_linear, _paged_decode_attention_bf16, _check_page_tags
     global _decode_stack_module, _prefill_attention, _prefill_attention_isa
-    global _int4_dequantize_bf16, _int8_dequantize_bf16
+    global _int4_dequantize_bf16, _int8_dequantize_bf16, _rotary_write_kv_bf16, _silu_and_mul_bf16
     try:
         from torch.utils.cpp_extension import load
 
@@ -288,6 +291,8 @@ def _build() -> None:
     _prefill_attention_isa = module.prefill_attention_isa
     _int4_dequantize_bf16 = module.int4_dequantize_bf16
     _int8_dequantize_bf16 = module.int8_dequantize_bf16
+    _rotary_write_kv_bf16 = module.rotary_write_kv_bf16
+    _silu_and_mul_bf16 = module.silu_and_mul_bf16
     logger.info("CPU kernels ready (paged decode attention, bf16 skinny linear, RMSNorm, rotary + KV write)")
 
 
@@ -411,3 +416,14 @@ def int4_dequantize_bf16_kernel() -> Callable[..., Any] | None:
 def int8_dequantize_bf16_kernel() -> Callable[..., Any] | None:
     """`int8_dequantize_bf16(q, scales, group_size) -> bf16 [out, in]` once built; else None."""
     return _int8_dequantize_bf16
+
+
+def rotary_write_kv_bf16_kernel() -> Callable[..., Any] | None:
+    """`rotary_write_kv_bf16(qkv, cos, sin, heads, k_pool, v_pool, slot_mapping) -> q` (all bf16) once built; else
+    None."""
+    return _rotary_write_kv_bf16
+
+
+def silu_and_mul_bf16_kernel() -> Callable[..., Any] | None:
+    """`silu_and_mul_bf16(gate_up) -> silu(gate) * up` for bf16 rows once built; else None."""
+    return _silu_and_mul_bf16

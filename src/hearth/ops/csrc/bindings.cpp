@@ -30,6 +30,9 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
                              std::optional<at::Tensor> v_scale, at::Tensor page_ids, int64_t context_len,
                              int64_t page_size, int64_t window, double scale);
 std::string prefill_attention_isa(at::ScalarType dtype);
+at::Tensor rotary_write_kv_bf16(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t heads, at::Tensor k_pool,
+                                at::Tensor v_pool, at::Tensor slot_mapping);
+at::Tensor silu_and_mul_bf16(at::Tensor gate_up);
 at::Tensor int4_dequantize_bf16(at::Tensor packed, at::Tensor scales, at::Tensor zero_scaled, int64_t group_size);
 at::Tensor int8_dequantize_bf16(at::Tensor q, at::Tensor scales, int64_t group_size);
 PyObject* check_page_tags_lists(const at::Tensor& pool_tags, PyObject* page_table, PyObject* expected,
@@ -63,6 +66,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("window"), pybind11::arg("scale"));
   m.def("prefill_attention_isa", &prefill_attention_isa,
         "the tile math this build has for queries of a dtype: avx512_bf16, avx512, or '' (none)");
+  m.def("rotary_write_kv_bf16", &rotary_write_kv_bf16,
+        "rotary_write_kv for a bf16 model: bf16 qkv, cos/sin and pools, rounded as the torch path rounds");
+  m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "SiLU(gate) x up of a bf16 [rows, 2 * intermediate] in one pass");
   m.def("int4_dequantize_bf16", &int4_dequantize_bf16,
         "an INT4 weight (int4_skinny_linear's packed layout) as a dense bfloat16 [out, in]");
   m.def("int8_dequantize_bf16", &int8_dequantize_bf16, "an INT8 weight with group scales as a dense bfloat16 [out, in]");

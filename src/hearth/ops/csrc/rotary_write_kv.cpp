@@ -1,16 +1,23 @@
 // Rotate-half RoPE on the fused qkv projection, writing keys and values straight into their KV
 // pool slots. It replaces ~25 small torch ops per layer (split, views, two rotations of ~11 ops
 // each, two casts and two index copies), whose dispatch dominates at decode batch sizes.
-// An FP8 variant quantizes keys and values by their head's scale as it writes them.
+// An FP8 variant quantizes keys and values by their head's scale as it writes them; a bf16 one (a bf16 model's
+// prompt chunks) rounds where the torch path rounds, so both write the same bytes.
 // ATen headers only: torch/extension.h (pybind, autograd) triples the compile time; bindings.cpp has it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "fp8_e4m3.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -118,4 +125,102 @@ at::Tensor rotary_write_kv_fp8(at::Tensor qkv, at::Tensor cos, at::Tensor sin, i
       for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = hearth::float_to_fp8_e4m3(values[h * dim + d] / s);
     }
   });
+}
+
+namespace {
+
+inline float bf16_bits_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float round_bf16(float f) {  // to the nearest bf16, ties to even (torch's rounding; no NaNs here)
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// out = (x1 c - x2 s, x2 c + x1 s) over one head, each product and sum rounded to bf16 as torch's bf16 ops do.
+inline void rotate_bf16(const uint16_t* in, const uint16_t* c, const uint16_t* s, int64_t half, uint16_t* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  auto load = [](const uint16_t* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  auto round = [](__m512 v) {  // through bf16 and back: the rounding of a bf16 op's result
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  };
+  for (; i + 16 <= half; i += 16) {
+    const __m512 x1 = load(in + i), x2 = load(in + i + half), cv = load(c + i), sv = load(s + i);
+    const __m512 a = _mm512_sub_ps(round(_mm512_mul_ps(x1, cv)), round(_mm512_mul_ps(x2, sv)));
+    const __m512 b = _mm512_add_ps(round(_mm512_mul_ps(x2, cv)), round(_mm512_mul_ps(x1, sv)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(a));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + half), (__m256i)_mm512_cvtneps_pbh(b));
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = bf16_bits_to_float(in[i]), x2 = bf16_bits_to_float(in[i + half]);
+    const float cv = bf16_bits_to_float(c[i]), sv = bf16_bits_to_float(s[i]);
+    const float a = round_bf16(round_bf16(x1 * cv) - round_bf16(x2 * sv));
+    const float b = round_bf16(round_bf16(x2 * cv) + round_bf16(x1 * sv));
+    uint32_t bits;
+    std::memcpy(&bits, &a, sizeof(bits));
+    out[i] = static_cast<uint16_t>(bits >> 16);
+    std::memcpy(&bits, &b, sizeof(bits));
+    out[i + half] = static_cast<uint16_t>(bits >> 16);
+  }
+}
+
+}  // namespace
+
+at::Tensor rotary_write_kv_bf16(at::Tensor qkv,  // [n, (heads + 2 * kv_heads) * dim] bf16, contiguous
+                                at::Tensor cos,  // [n, dim / 2] bf16, unit inner stride
+                                at::Tensor sin,  // [n, dim / 2] bf16, unit inner stride
+                                int64_t heads, at::Tensor k_pool, at::Tensor v_pool,  // bf16 [slots, kv_heads, dim]
+                                at::Tensor slot_mapping) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous(),
+              "rotary_write_kv_bf16: qkv must be a contiguous bf16 [tokens, features] tensor");
+  TORCH_CHECK(k_pool.scalar_type() == at::kBFloat16 && v_pool.scalar_type() == at::kBFloat16 && k_pool.dim() == 3 &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
+              "rotary_write_kv_bf16: contiguous bf16 [slots, kv_heads, dim] pools");
+  const int64_t n = qkv.size(0), kv_heads = k_pool.size(1), dim = k_pool.size(2), half = dim / 2;
+  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim, "rotary_write_kv_bf16: qkv has ",
+              qkv.size(1), " features, heads and pools imply ", (heads + 2 * kv_heads) * dim);
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.size(0) == n &&
+                  sin.size(0) == n && cos.size(1) == half && sin.size(1) == half && cos.stride(1) == 1 &&
+                  sin.stride(1) == 1,
+              "rotary_write_kv_bf16: cos/sin must be bf16 [tokens, dim / 2] with unit inner stride");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == n,
+              "rotary_write_kv_bf16: slot_mapping must be int64 [tokens]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_pool.size(0);
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "rotary_write_kv_bf16: slot ", slots[t], " out of range");
+  }
+  at::Tensor q = at::empty({n, heads, dim}, qkv.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
+  const uint16_t* cos_ptr = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+  const uint16_t* sin_ptr = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  uint16_t* q_ptr = reinterpret_cast<uint16_t*>(q.data_ptr());
+  uint16_t* k_ptr = reinterpret_cast<uint16_t*>(k_pool.data_ptr());
+  uint16_t* v_ptr = reinterpret_cast<uint16_t*>(v_pool.data_ptr());
+  const int64_t row = (heads + 2 * kv_heads) * dim, width = kv_heads * dim;
+  const int64_t cos_stride = cos.stride(0), sin_stride = sin.stride(0);
+  at::parallel_for(0, n, std::max<int64_t>(1, 4096 / std::max<int64_t>(row, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* x = src + t * row;
+      const uint16_t* c = cos_ptr + t * cos_stride;
+      const uint16_t* s = sin_ptr + t * sin_stride;
+      for (int64_t h = 0; h < heads; ++h) rotate_bf16(x + h * dim, c, s, half, q_ptr + (t * heads + h) * dim);
+      for (int64_t h = 0; h < kv_heads; ++h)
+        rotate_bf16(x + (heads + h) * dim, c, s, half, k_ptr + slots[t] * width + h * dim);
+      std::memcpy(v_ptr + slots[t] * width, x + (heads + kv_heads) * dim, width * sizeof(uint16_t));
+    }
+  });
+  return q;
 }
