@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from hearth.engine import config_values
+from hearth.engine.speculative.registry import PROPOSERS, check_speculative_options
 from hearth.kv.dtypes import KV_CACHE_DTYPE_CHOICES, check_kv_cache_dtype
+from hearth.kv_transfer import KV_TRANSPORTS
 from hearth.model.quantization.select import QUANTIZATION_CHOICES
 
 # Torch-free, like the KV dtype names: `hearth.model.quantization.select` checks them against the checkpoint.
@@ -132,13 +134,12 @@ class EngineConfig:
                 "with nnodes > 1, master_port (and master_addr) must name node 0's rendezvous port"
             )
         if self.speculative_method is not None:
-            from hearth.engine.speculative.registry import check_speculative_options
-
             check_speculative_options(
                 self.speculative_method, self.speculative_model, self.num_speculative_tokens
             )
         if self.role not in ROLE_CHOICES:
             raise ValueError(f"role must be one of {', '.join(ROLE_CHOICES)}, got {self.role!r}")
+        KV_TRANSPORTS.canonical(self.kv_transfer)  # an unknown name: UnknownNameError listing them
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be > 0")
         if self.kv_offload_memory_gib < 0 or self.kv_disk_size_gib <= 0:
@@ -328,7 +329,7 @@ class EngineConfig:
         spec.add_argument(
             "--speculative-method",
             default=None,
-            choices=("draft", "ngram", "suffix", "eagle3"),
+            choices=PROPOSERS.names(),
             help="propose tokens for the target to verify: a draft model, prompt lookup (ngram), suffix decoding "
             "over the request and its tenant's earlier answers (suffix; try --num-speculative-tokens 8), or an "
             "EAGLE-3 head",

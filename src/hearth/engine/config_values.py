@@ -112,8 +112,16 @@ def memory_fraction(text: str) -> float:
     return value
 
 
-# vLLM's speculative methods -> Hearth's proposers (`--speculative-method`).
-_SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "eagle3": "eagle3"}
+# vLLM's methods Hearth has no proposer for: refused by name rather than as a typo.
+_UNSUPPORTED_SPECULATIVE_METHODS = (
+    "eagle",
+    "medusa",
+    "mlp_speculator",
+    "deepseek_mtp",
+    "mtp",
+    "ernie_mtp",
+    "qwen3_next_mtp",
+)
 _SPECULATIVE_KEYS = {
     "method",
     "model",
@@ -144,26 +152,20 @@ def speculative_config(text: str) -> dict[str, Any]:
             f"--speculative-config: {', '.join(unknown)} not supported (Hearth reads method, model, "
             "num_speculative_tokens, prompt_lookup_max/min, disable_by_batch_size)"
         )
+    from hearth.engine.speculative.registry import PROPOSERS  # torch-free: lazy entries
+
+    methods = ", ".join(PROPOSERS.choices())
     method = spec.get("method")
     if method is None:
         method = "draft_model" if spec.get("model") else None
-    if method in (
-        "eagle",
-        "medusa",
-        "mlp_speculator",
-        "deepseek_mtp",
-        "mtp",
-        "suffix",
-        "ernie_mtp",
-        "qwen3_next_mtp",
-    ):
+    if method in _UNSUPPORTED_SPECULATIVE_METHODS:
         raise argparse.ArgumentTypeError(
-            f"--speculative-config method {method!r} is not supported; Hearth proposes with "
-            "ngram, draft_model (a smaller model of the same tokenizer) or eagle3 (an EAGLE-3 head)"
+            f"--speculative-config method {method!r} is not supported; Hearth proposes with {methods} "
+            "(draft_model: a smaller model of the same tokenizer; eagle3: an EAGLE-3 head)"
         )
-    if method not in _SPECULATIVE_METHODS:
+    if not isinstance(method, str) or method not in PROPOSERS:
         raise argparse.ArgumentTypeError(
-            f"--speculative-config needs method (ngram, draft_model, eagle3) or a draft model, got {method!r}"
+            f"--speculative-config needs method ({methods}) or a draft model, got {method!r}"
         )
     for key in ("draft_tensor_parallel_size",):
         if spec.get(key) not in (None, 1):
@@ -173,7 +175,7 @@ def speculative_config(text: str) -> dict[str, Any]:
             raise argparse.ArgumentTypeError(
                 f"--speculative-config {key} is not supported; the draft loads as its checkpoint says"
             )
-    fields: dict[str, Any] = {"speculative_method": _SPECULATIVE_METHODS[method]}
+    fields: dict[str, Any] = {"speculative_method": PROPOSERS.canonical(method)}
     if spec.get("model") is not None:
         fields["speculative_model"] = str(spec["model"])
     if spec.get("num_speculative_tokens") is not None:

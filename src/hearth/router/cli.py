@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode", action="append", default=[], metavar="URL", help="a decode server (repeat)"
     )
-    parser.add_argument("--policy", default="default", choices=sorted(POLICIES))
-    parser.add_argument("--pd-protocol", default="hearth", choices=sorted(PD_ADAPTERS))
+    parser.add_argument("--policy", default="default", choices=POLICIES.names())
+    parser.add_argument("--pd-protocol", default="hearth", choices=PD_ADAPTERS.names())
     parser.add_argument(
         "--admin-key",
         default=None,

@@ -18,6 +18,7 @@ from types import FrameType
 
 import hearth
 from hearth.engine.config import EngineConfig
+from hearth.kv_transfer import KV_TRANSPORTS
 from hearth.server.reasoning_parsers import available_reasoning_parsers
 from hearth.server.tool_parsers import available_tool_parsers
 
@@ -140,7 +141,7 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
         "prompt KV and answers",
     )
     group.add_argument(
-        "--kv-transfer", default="tcp", choices=("tcp", "mooncake"), help="how KV moves between servers"
+        "--kv-transfer", default="tcp", choices=KV_TRANSPORTS.names(), help="how KV moves between servers"
     )
     group.add_argument(
         "--kv-transfer-host", default="127.0.0.1", help="decode role: address the KV listener binds"
