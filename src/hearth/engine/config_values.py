@@ -49,9 +49,10 @@ _DTYPE_ALIASES = {
 }
 
 
-def dtype(text: str) -> str:
-    from hearth.engine.config import DTYPE_CHOICES
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
+
+def dtype(text: str) -> str:
     value = _DTYPE_ALIASES.get(text, text)
     if value not in DTYPE_CHOICES:
         raise argparse.ArgumentTypeError(
@@ -100,6 +101,20 @@ def quantization(text: str) -> str:
             "(awq_marlin = awq, gptq_marlin = gptq); auto follows the checkpoint's quantization_config"
         )
     return value
+
+
+def on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """`30,31` -> (30, 31)."""
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
 def memory_fraction(text: str) -> float:
