@@ -81,6 +81,37 @@ def test_each_engine_cli_has_one_flag_per_field_with_its_default(cli):
     assert extra == COMPOSITE_FLAGS
 
 
+def test_each_sub_config_is_owned_by_its_layer_and_holds_its_groups_options():
+    from hearth.engine.config import SchedulerOptions
+    from hearth.engine.speculative.options import SpeculativeOptions
+    from hearth.kv.options import CacheOptions, KVTierOptions
+    from hearth.kv_transfer.options import KVTransferOptions
+    from hearth.model.options import ModelOptions
+    from hearth.parallel.options import ParallelOptions
+
+    owners = {
+        "model": ModelOptions,
+        "cache": CacheOptions,
+        "scheduler": SchedulerOptions,
+        "parallel": ParallelOptions,
+        "speculative": SpeculativeOptions,
+        "kv_transfer": KVTransferOptions,
+        "kv_tiers": KVTierOptions,
+    }
+    assert set(owners) == set(GROUPS)
+    config = EngineConfig(model="/m")
+    every_field: list[str] = []
+    for group, owner in owners.items():
+        names = [f.name for f in dataclasses.fields(owner)]
+        assert {f.name for f, spec in options_of(owner)} == {
+            f.name for f, spec in options_of(EngineConfig) if spec.group == group
+        }, group
+        assert isinstance(config, owner)
+        every_field += names
+    assert sorted(every_field) == sorted(f.name for f in dataclasses.fields(EngineConfig))  # each once
+    assert dataclasses.fields(EngineConfig)[0].name == "model"  # EngineConfig("/m", ...) keeps working
+
+
 def test_no_flags_give_the_constructors_defaults():
     for cli, build in ENGINE_CLIS.items():
         args = build().parse_args(["--model", "/m"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any
@@ -119,3 +120,53 @@ def check_choices(obj: Any) -> None:
                 raise UnknownNameError(spec.choices.kind, value, spec.choices.names())
         elif value not in spec.choices:
             raise ValueError(f"{f.name} must be one of {', '.join(spec.choices)}, got {value!r}")
+
+
+# Value types (argparse `type=`) that options of several layers use.
+
+# vLLM's human-readable integers: lowercase k/m/g are powers of 1000, uppercase K/M/G of 1024 (`32k` = 32000,
+# `32K` = 32768); decimals allowed with a suffix (`25.6k`).
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kmgKMG]?)$")
+
+
+def human_int(text: str) -> int:
+    """`4096`, `32k`, `32K`, `1m`, `25.6k` -> tokens."""
+    match = _HUMAN_INT.match(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a token count (a number, optionally with k/K/m/M: 32k = 32000, 32K = 32768)"
+        )
+    number, suffix = match.groups()
+    if suffix:
+        value = float(number) * _SUFFIXES[suffix]
+        if value != int(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+        return int(value)
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(number)
+
+
+def on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """`30,31` -> (30, 31)."""
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def memory_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not a fraction in (0, 1]")
+    return value
