@@ -115,3 +115,29 @@ def test_speculative_config_and_method_together_are_refused() -> None:
     args = _parse(["--speculative-method", "ngram", "--speculative-config", '{"method": "ngram"}'])
     with pytest.raises(ValueError, match="not both"):
         EngineConfig.from_cli_args(args, model="/m")
+
+
+def test_speculative_config_and_method_accept_the_same_registered_methods() -> None:
+    from hearth.engine.speculative.registry import PROPOSERS
+
+    suffix = config_values.speculative_config('{"method": "suffix", "num_speculative_tokens": 8}')
+    assert suffix == {"speculative_method": "suffix", "num_speculative_tokens": 8}
+    assert _parse(["--speculative-method", "suffix"]).speculative_method == "suffix"
+    for method in PROPOSERS.names():
+        from_json = config_values.speculative_config(json.dumps({"method": method}))
+        assert from_json["speculative_method"] == _parse(["--speculative-method", method]).speculative_method
+    assert config_values.speculative_config('{"method": "draft_model"}')["speculative_method"] == "draft"
+    with pytest.raises(
+        argparse.ArgumentTypeError, match="needs method \\(draft, draft_model, eagle3, ngram, suffix\\)"
+    ):
+        config_values.speculative_config('{"method": "lookahead"}')
+    with pytest.raises(SystemExit):
+        _parse(["--speculative-method", "lookahead"])
+
+
+def test_the_kv_transport_is_checked_against_its_registry() -> None:
+    from hearth.contracts.registry import UnknownNameError
+
+    assert EngineConfig(model="/m", kv_transfer="mooncake").kv_transfer == "mooncake"
+    with pytest.raises(UnknownNameError, match="unknown KV transport 'rdma'; choose one of mooncake, tcp"):
+        EngineConfig(model="/m", kv_transfer="rdma")

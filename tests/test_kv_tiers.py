@@ -134,7 +134,9 @@ def test_redis_tier_shares_pages_between_clients_and_fails_as_unavailable(redis_
 
 def test_unknown_store_scheme_is_a_clear_error():
     spec = spec_of(small_pool())
-    with pytest.raises(ValueError, match="unknown scheme 'memcached'.*redis"):
+    with pytest.raises(
+        ValueError, match="unknown KV store scheme 'memcached'; choose one of mooncake, redis"
+    ):
         build_tiers(spec, store_url="memcached://x:1", secret=SECRET)
 
 

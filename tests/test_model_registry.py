@@ -7,6 +7,7 @@ import pytest
 from hf_oracle import hf_greedy
 
 from hearth import LLM, SamplingParams
+from hearth.contracts.registry import UnknownNameError
 from hearth.model import registry
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.decoder import CausalLM
@@ -49,13 +50,18 @@ def test_each_architecture_has_its_own_class():
 
 def test_unknown_architecture_names_the_supported_ones():
     with pytest.raises(
-        ModelLoadError, match="'GPT2LMHeadModel' is not supported; supported: DeepseekV3ForCausalLM, Gemma3"
+        UnknownNameError,
+        match="unknown model architecture 'GPT2LMHeadModel'; choose one of DeepseekV3ForCausalLM, Gemma3",
     ):
         get_model_class("GPT2LMHeadModel")
+    with pytest.raises(
+        ModelLoadError, match="'GPT2LMHeadModel' is not supported; supported: DeepseekV3ForCausalLM, Gemma3"
+    ):
+        config("GPT2LMHeadModel")
 
 
 def test_a_new_family_is_one_registered_class(monkeypatch):
-    monkeypatch.setattr(registry, "_MODELS", dict(registry._MODELS))
+    monkeypatch.setattr(registry, "MODELS", registry.MODELS.copy())
 
     @register_model("TinyNormForCausalLM", "TinyNormV2ForCausalLM")
     class TinyNorm(CausalLM):
@@ -66,7 +72,7 @@ def test_a_new_family_is_one_registered_class(monkeypatch):
     assert get_model_class("TinyNormV2ForCausalLM") is TinyNorm
     parsed = config("TinyNormForCausalLM", window=7)
     assert (parsed.qk_norm, parsed.sliding_window) == (True, 7)
-    with pytest.raises(ValueError, match="already served by LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="model architecture 'LlamaForCausalLM' is already registered"):
         register_model("LlamaForCausalLM")(TinyNorm)
 
 

@@ -7,16 +7,19 @@ import pytest
 import torch
 from torch import nn
 
-from hearth.model.config import ModelConfig, ModelLoadError
+from hearth.contracts.registry import UnknownNameError
+from hearth.model.config import ModelConfig
 from hearth.model.layers import Linear, MergedColumnParallelLinear
 from hearth.model.loader import load_model
 from hearth.model.quantization import (
+    QUANTIZATION_METHODS,
     QuantizationMethod,
     get_quantization_method,
     register_quantization_method,
     registry,
     supported_quantization_methods,
 )
+from hearth.model.quantization.select import QUANTIZATION_CHOICES
 from hearth.model.quantization.unquantized import UnquantizedLinearMethod
 from hearth.model.weights import set_weight_attrs
 
@@ -26,9 +29,13 @@ def test_unquantized_is_served_by_name():
     assert isinstance(get_quantization_method("unquantized"), UnquantizedLinearMethod)
     assert isinstance(get_quantization_method("none"), UnquantizedLinearMethod)
     with pytest.raises(
-        ModelLoadError, match="quantization method 'int3' is not supported; supported: .*unquantized"
+        UnknownNameError, match="unknown quantization method 'int3'; choose one of .*unquantized"
     ):
         get_quantization_method("int3")
+
+
+def test_every_quantization_choice_but_auto_is_a_registered_method():
+    assert set(QUANTIZATION_CHOICES) - {"auto"} <= set(QUANTIZATION_METHODS.choices())
 
 
 def test_unquantized_off_cpu_keeps_the_weight_and_uses_f_linear():
@@ -64,7 +71,7 @@ class TransposedMethod(QuantizationMethod):
 
 
 def test_a_registered_method_creates_loads_processes_and_applies(monkeypatch, tiny_model_factory):
-    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    monkeypatch.setattr(registry, "QUANTIZATION_METHODS", registry.QUANTIZATION_METHODS.copy())
     register_quantization_method("test-transposed")(TransposedMethod)
     model_dir = tiny_model_factory("qwen2")  # fused q/k/v with biases, fused gate/up
     config = ModelConfig.from_dir(model_dir)

@@ -33,6 +33,16 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
+from hearth.contracts.cli_common import (
+    ADMIN_KEY_FILE_ENV,
+    KV_TRANSFER_SECRET_ENV,
+    KV_TRANSFER_SECRET_FILE_ENV,
+    SECRET_OPTIONS,
+    add_admin_key_arguments,
+    add_kv_transfer_secret_arguments,
+    add_listen_arguments,
+)
+
 HEALTH_POLL_S = 0.25
 _PR_SET_PDEATHSIG = 1
 
@@ -42,8 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=0, help="prefill servers")
     parser.add_argument("--decode", type=int, default=0, help="decode servers")
     parser.add_argument("--mixed", type=int, default=0, help="mixed servers")
-    parser.add_argument("--host", default="127.0.0.1", help="the router's address")
-    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    add_listen_arguments(parser, host_help="the router's address", port_help="the router's port")
     for role in ("prefill", "decode", "mixed", "server", "router"):
         what = "every server" if role == "server" else f"the {role} {'' if role == 'router' else 'servers'}"
         parser.add_argument(
@@ -53,18 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ready-timeout", type=float, default=600.0, help="seconds servers get to become healthy"
     )
     parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds children get to stop")
-    parser.add_argument(
-        "--kv-transfer-secret-file", default=None, metavar="FILE", help="the deployment's KV transfer secret"
-    )
-    parser.add_argument("--admin-key-file", default=None, metavar="FILE", help="the router's admin key")
-
-
-# Options whose value is a secret -> the environment variable the child reads it from instead.
-SECRET_OPTIONS = {
-    "--admin-key": "HEARTH_ROUTER_ADMIN_KEY",
-    "--kv-transfer-secret": "HEARTH_KV_TRANSFER_SECRET",
-    "--api-key": "HEARTH_API_KEY",
-}
+    add_kv_transfer_secret_arguments(parser, "handed to every server and the router; default: a new one")
+    add_admin_key_arguments(parser, with_value=False)
 
 
 def secrets_to_env(options: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -181,11 +180,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.kv_transfer_secret_file:
-        env["HEARTH_KV_TRANSFER_SECRET_FILE"] = os.path.abspath(args.kv_transfer_secret_file)
-    elif not env.get("HEARTH_KV_TRANSFER_SECRET_FILE"):
-        env.setdefault("HEARTH_KV_TRANSFER_SECRET", secrets.token_hex(32))
+        env[KV_TRANSFER_SECRET_FILE_ENV] = os.path.abspath(args.kv_transfer_secret_file)
+    elif not env.get(KV_TRANSFER_SECRET_FILE_ENV):
+        env.setdefault(KV_TRANSFER_SECRET_ENV, secrets.token_hex(32))
     if args.admin_key_file:
-        env["HEARTH_ROUTER_ADMIN_KEY_FILE"] = os.path.abspath(args.admin_key_file)
+        env[ADMIN_KEY_FILE_ENV] = os.path.abspath(args.admin_key_file)
     try:
         children = plan(args)
     except ValueError as exc:

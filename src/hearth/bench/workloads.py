@@ -19,6 +19,7 @@ from typing import Any
 
 from hearth.bench.client import CHAT, COMPLETIONS, RequestResult, RequestSpec
 from hearth.bench.textgen import TextSource, TokenizerTextSource
+from hearth.contracts.registry import Registry
 
 Send = Callable[[RequestSpec], Awaitable[RequestResult]]
 
@@ -414,9 +415,6 @@ class ReplayWorkload(Workload):
         return jobs
 
 
-WORKLOADS: dict[str, type[Workload]] = {
-    RandomWorkload.name: RandomWorkload,
-    SharedPrefixWorkload.name: SharedPrefixWorkload,
-    AgenticWorkload.name: AgenticWorkload,
-    ReplayWorkload.name: ReplayWorkload,
-}
+WORKLOADS: Registry[type[Workload]] = Registry("workload")
+for _workload in (RandomWorkload, SharedPrefixWorkload, AgenticWorkload, ReplayWorkload):
+    WORKLOADS.add(_workload.name, _workload)

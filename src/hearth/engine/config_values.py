@@ -6,114 +6,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from typing import Any
 
-# vLLM's human-readable integers: lowercase k/m/g are powers of 1000, uppercase K/M/G of 1024 (`32k` = 32000,
-# `32K` = 32768); decimals allowed with a suffix (`25.6k`).
-_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
-_HUMAN_INT = re.compile(r"^(\d+(?:\.\d+)?)([kmgKMG]?)$")
+# Each value type lives with the options of the layer that owns it; this module gathers them under the names
+# the command line knows them by.
+from hearth.contracts.options import human_int, int_list, memory_fraction, on_off
+from hearth.kv.options import kv_cache_dtype
+from hearth.model.options import DTYPE_CHOICES, dtype, max_model_len, quantization
 
+__all__ = [
+    "DTYPE_CHOICES",
+    "dtype",
+    "human_int",
+    "int_list",
+    "kv_cache_dtype",
+    "max_model_len",
+    "memory_fraction",
+    "on_off",
+    "quantization",
+    "speculative_config",
+]
 
-def human_int(text: str) -> int:
-    """`4096`, `32k`, `32K`, `1m`, `25.6k` -> tokens."""
-    match = _HUMAN_INT.match(text.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a token count (a number, optionally with k/K/m/M: 32k = 32000, 32K = 32768)"
-        )
-    number, suffix = match.groups()
-    if suffix:
-        value = float(number) * _SUFFIXES[suffix]
-        if value != int(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
-        return int(value)
-    if "." in number:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
-    return int(number)
-
-
-def max_model_len(text: str) -> int | None:
-    """`--max-model-len`: a token count, or `auto` / `-1` (the model's and the KV cache's limit)."""
-    if text.strip() in ("auto", "-1"):
-        return None
-    return human_int(text)
-
-
-_DTYPE_ALIASES = {
-    "half": "float16",
-    "float": "float32",
-    "fp16": "float16",
-    "bf16": "bfloat16",
-    "fp32": "float32",
-}
-
-
-def dtype(text: str) -> str:
-    from hearth.engine.config import DTYPE_CHOICES
-
-    value = _DTYPE_ALIASES.get(text, text)
-    if value not in DTYPE_CHOICES:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a dtype; use one of {', '.join(DTYPE_CHOICES)} (or half, float)"
-        )
-    return value
-
-
-# vLLM's `fp8` is E4M3 on every GPU Hearth targets; E5M2 keeps no per-head scales and is not built.
-_KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "half": "float16", "float": "float32"}
-
-
-def kv_cache_dtype(text: str) -> str:
-    from hearth.kv.dtypes import KV_CACHE_DTYPE_CHOICES
-
-    value = _KV_DTYPE_ALIASES.get(text, text)
-    if value == "fp8_e5m2":
-        raise argparse.ArgumentTypeError(
-            "fp8_e5m2 KV caches are not supported; use --kv-cache-dtype fp8 (fp8_e4m3 with per-head scales)"
-        )
-    if value not in KV_CACHE_DTYPE_CHOICES:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a KV cache dtype; use one of {', '.join(KV_CACHE_DTYPE_CHOICES)} (or fp8)"
-        )
-    return value
-
-
-# vLLM's kernel-flavoured method names name the same checkpoint formats Hearth reads.
-_QUANTIZATION_ALIASES = {
-    "awq_marlin": "awq",
-    "gptq_marlin": "gptq",
-    "compressed_tensors": "compressed-tensors",
-    "fbgemm_fp8": "fp8",
-    # A GGUF file carries its own quantization: the checkpoint decides.
-    "gguf": "auto",
-}
-
-
-def quantization(text: str) -> str:
-    from hearth.model.quantization.select import QUANTIZATION_CHOICES
-
-    value = _QUANTIZATION_ALIASES.get(text, text)
-    if value not in QUANTIZATION_CHOICES:
-        raise argparse.ArgumentTypeError(
-            f"quantization {text!r} is not supported; Hearth reads {', '.join(QUANTIZATION_CHOICES)} "
-            "(awq_marlin = awq, gptq_marlin = gptq); auto follows the checkpoint's quantization_config"
-        )
-    return value
-
-
-def memory_fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} is not a fraction in (0, 1]")
-    return value
-
-
-# vLLM's speculative methods -> Hearth's proposers (`--speculative-method`).
-_SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "eagle3": "eagle3"}
+# vLLM's methods Hearth has no proposer for: refused by name rather than as a typo.
+_UNSUPPORTED_SPECULATIVE_METHODS = (
+    "eagle",
+    "medusa",
+    "mlp_speculator",
+    "deepseek_mtp",
+    "mtp",
+    "ernie_mtp",
+    "qwen3_next_mtp",
+)
 _SPECULATIVE_KEYS = {
     "method",
     "model",
@@ -144,26 +67,20 @@ def speculative_config(text: str) -> dict[str, Any]:
             f"--speculative-config: {', '.join(unknown)} not supported (Hearth reads method, model, "
             "num_speculative_tokens, prompt_lookup_max/min, disable_by_batch_size)"
         )
+    from hearth.engine.speculative.registry import PROPOSERS  # torch-free: lazy entries
+
+    methods = ", ".join(PROPOSERS.choices())
     method = spec.get("method")
     if method is None:
         method = "draft_model" if spec.get("model") else None
-    if method in (
-        "eagle",
-        "medusa",
-        "mlp_speculator",
-        "deepseek_mtp",
-        "mtp",
-        "suffix",
-        "ernie_mtp",
-        "qwen3_next_mtp",
-    ):
+    if method in _UNSUPPORTED_SPECULATIVE_METHODS:
         raise argparse.ArgumentTypeError(
-            f"--speculative-config method {method!r} is not supported; Hearth proposes with "
-            "ngram, draft_model (a smaller model of the same tokenizer) or eagle3 (an EAGLE-3 head)"
+            f"--speculative-config method {method!r} is not supported; Hearth proposes with {methods} "
+            "(draft_model: a smaller model of the same tokenizer; eagle3: an EAGLE-3 head)"
         )
-    if method not in _SPECULATIVE_METHODS:
+    if not isinstance(method, str) or method not in PROPOSERS:
         raise argparse.ArgumentTypeError(
-            f"--speculative-config needs method (ngram, draft_model, eagle3) or a draft model, got {method!r}"
+            f"--speculative-config needs method ({methods}) or a draft model, got {method!r}"
         )
     for key in ("draft_tensor_parallel_size",):
         if spec.get(key) not in (None, 1):
@@ -173,7 +90,7 @@ def speculative_config(text: str) -> dict[str, Any]:
             raise argparse.ArgumentTypeError(
                 f"--speculative-config {key} is not supported; the draft loads as its checkpoint says"
             )
-    fields: dict[str, Any] = {"speculative_method": _SPECULATIVE_METHODS[method]}
+    fields: dict[str, Any] = {"speculative_method": PROPOSERS.canonical(method)}
     if spec.get("model") is not None:
         fields["speculative_model"] = str(spec["model"])
     if spec.get("num_speculative_tokens") is not None:

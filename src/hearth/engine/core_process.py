@@ -181,16 +181,17 @@ def _ipc_dir(address: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hearth.engine.core_process")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    # Internal flags, named apart from the user-facing `--config FILE` and `--log-level NAME`.
+    parser.add_argument("--engine-config-json", required=True, help="EngineConfig as JSON")
     parser.add_argument("--input", required=True, help="ZeroMQ address the API process sends to")
     parser.add_argument("--output", required=True, help="ZeroMQ address the API process reads from")
     parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    parser.add_argument("--log-level-number", type=int, default=logging.INFO)
     args = parser.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s"
+        level=args.log_level_number, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s"
     )
     threading.Thread(
         target=_exit_with_parent,
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     inbox.connect(args.input)
     encoder = msgspec.msgpack.Encoder()
     try:
-        config = msgspec.json.decode(args.config, type=EngineConfig)
+        config = msgspec.json.decode(args.engine_config_json, type=EngineConfig)
         from hearth.engine.factory import build_engine
 
         engine = build_engine(config)

@@ -31,8 +31,10 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-SECRET_ENV = "HEARTH_KV_TRANSFER_SECRET"
-SECRET_FILE_ENV = "HEARTH_KV_TRANSFER_SECRET_FILE"
+from hearth.contracts.cli_common import KV_TRANSFER_SECRET_ENV, KV_TRANSFER_SECRET_FILE_ENV
+
+SECRET_ENV = KV_TRANSFER_SECRET_ENV
+SECRET_FILE_ENV = KV_TRANSFER_SECRET_FILE_ENV
 NONCE_BYTES = 32
 TAG_BYTES = 16
 TRANSFER_ID_HEX = 32  # the router's transfer ids: 16 random bytes in lowercase hex

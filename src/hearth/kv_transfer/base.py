@@ -180,15 +180,3 @@ class KVTransport(ABC):
 
     def close(self) -> None:
         self.waker.close()
-
-
-TRANSPORTS: dict[str, type[KVTransport]] = {}
-
-
-def register_transport(name: str) -> Callable[[type[KVTransport]], type[KVTransport]]:
-    def wrap(cls: type[KVTransport]) -> type[KVTransport]:
-        cls.name = name
-        TRANSPORTS[name] = cls
-        return cls
-
-    return wrap

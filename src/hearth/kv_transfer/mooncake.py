@@ -23,7 +23,7 @@ import threading
 import numpy as np
 import torch
 
-from hearth.kv_transfer.base import PageSink, ReceiveSpec, WireLayout, register_transport
+from hearth.kv_transfer.base import PageSink, ReceiveSpec, WireLayout
 from hearth.kv_transfer.tcp import Batch, TCPTransport, TransferError, Want
 
 try:
@@ -50,8 +50,9 @@ class _Staging:
         self.engine.unregister_memory(self.address)
 
 
-@register_transport("mooncake")
 class MooncakeTransport(TCPTransport):
+    name = "mooncake"
+
     def __init__(self, layout: WireLayout, secret: bytes, timeout_s: float, sink: PageSink) -> None:
         super().__init__(layout, secret, timeout_s, sink)
         self._engine: TransferEngine | None = None

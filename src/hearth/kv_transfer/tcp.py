@@ -68,7 +68,6 @@ from hearth.kv_transfer.base import (
     TransferEvent,
     WireLayout,
     dtype_name,
-    register_transport,
 )
 
 logger = logging.getLogger("hearth.kv_transfer")
@@ -348,8 +347,9 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-@register_transport("tcp")
 class TCPTransport(KVTransport):
+    name = "tcp"
+
     def __init__(self, layout: WireLayout, secret: bytes, timeout_s: float, sink: PageSink) -> None:
         super().__init__(layout, secret, timeout_s, sink)
         self.batch_bytes = BATCH_BYTES

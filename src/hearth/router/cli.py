@@ -9,7 +9,18 @@ import logging
 import signal
 from typing import TYPE_CHECKING
 
-from hearth.kv_transfer.auth import SECRET_ENV, SECRET_FILE_ENV, read_secret
+from hearth.contracts.cli_common import (
+    ADMIN_KEY_ENV,
+    ADMIN_KEY_FILE_ENV,
+    KV_TRANSFER_SECRET_ENV,
+    KV_TRANSFER_SECRET_FILE_ENV,
+    add_admin_key_arguments,
+    add_kv_transfer_secret_arguments,
+    add_listen_arguments,
+    add_log_level_argument,
+    add_page_size_argument,
+)
+from hearth.kv_transfer.auth import read_secret
 from hearth.router.config import RouterConfig
 from hearth.router.pd import PD_ADAPTERS
 from hearth.router.policies import POLICIES, BalanceConfig
@@ -18,13 +29,9 @@ from hearth.router.workers import WorkerPool
 if TYPE_CHECKING:
     from hearth.router.app import Router
 
-ADMIN_KEY_ENV = "HEARTH_ROUTER_ADMIN_KEY"
-ADMIN_KEY_FILE_ENV = "HEARTH_ROUTER_ADMIN_KEY_FILE"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    add_listen_arguments(parser)
     parser.add_argument(
         "--worker", action="append", default=[], metavar="URL", help="a mixed server (repeat)"
     )
@@ -47,32 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode", action="append", default=[], metavar="URL", help="a decode server (repeat)"
     )
-    parser.add_argument("--policy", default="default", choices=sorted(POLICIES))
-    parser.add_argument("--pd-protocol", default="hearth", choices=sorted(PD_ADAPTERS))
-    parser.add_argument(
-        "--admin-key",
-        default=None,
-        help=f"key for /admin/workers; visible in `ps`: prefer --admin-key-file or ${ADMIN_KEY_ENV}. "
-        "Admin is off without a key",
-    )
-    parser.add_argument(
-        "--admin-key-file",
-        default=None,
-        metavar="FILE",
-        help=f"file holding the admin key (or ${ADMIN_KEY_FILE_ENV})",
-    )
-    parser.add_argument(
-        "--kv-transfer-secret-file",
-        default=None,
-        metavar="FILE",
-        help="file holding the deployment's KV transfer secret, which signs Hearth PD instructions "
-        "(default: $HEARTH_KV_TRANSFER_SECRET_FILE, then $HEARTH_KV_TRANSFER_SECRET)",
-    )
+    parser.add_argument("--policy", default="default", choices=POLICIES.names())
+    parser.add_argument("--pd-protocol", default="hearth", choices=PD_ADAPTERS.names())
+    add_admin_key_arguments(parser)
+    add_kv_transfer_secret_arguments(parser, "signs Hearth PD instructions")
     parser.add_argument("--tokenizer", default=None, metavar="DIR", help="directory with tokenizer.json")
     parser.add_argument(
         "--model-id", default="hearth", help="salt of the prefix keys when --tokenizer is given"
     )
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per prefix-index block")
+    add_page_size_argument(parser, "tokens per prefix-index block (the servers' --page-size)")
     parser.add_argument("--prefix-index-blocks", type=int, default=65536, help="blocks remembered per worker")
     parser.add_argument("--balance-rel", type=float, default=1.5, help="overloaded above this x mean load")
     parser.add_argument(
@@ -82,13 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval-s", type=float, default=0.5)
     parser.add_argument("--health-timeout-s", type=float, default=1.0)
     parser.add_argument("--read-timeout-s", type=float, default=600.0, help="longest silence from a worker")
-    parser.add_argument("--log-level", default="warning")
+    add_log_level_argument(parser, default="warning")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """Raises ValueError (MissingSecretError) when a secret file cannot be read."""
     admin_key = args.admin_key or read_secret(ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, args.admin_key_file)
-    kv_secret = read_secret(SECRET_ENV, SECRET_FILE_ENV, getattr(args, "kv_transfer_secret_file", None))
+    kv_secret = read_secret(
+        KV_TRANSFER_SECRET_ENV, KV_TRANSFER_SECRET_FILE_ENV, getattr(args, "kv_transfer_secret_file", None)
+    )
     return RouterConfig(
         host=args.host,
         port=args.port,
@@ -142,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
         if config.pd_protocol == "hearth" and args.prefill and config.kv_transfer_secret is None:
             raise ValueError(
                 "Hearth prefill/decode pools need the deployment's KV transfer secret (the router signs each "
-                f"transfer instruction with it): --kv-transfer-secret-file FILE, ${SECRET_FILE_ENV} or "
-                f"${SECRET_ENV}, the same as the servers'"
+                f"transfer instruction with it): --kv-transfer-secret-file FILE, ${KV_TRANSFER_SECRET_FILE_ENV} or "
+                f"${KV_TRANSFER_SECRET_ENV}, the same as the servers'"
             )
         router = Router(config, pool)
     except (ValueError, FileNotFoundError) as exc:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hearth.contracts.registry import Registry
 from hearth.kv_transfer.auth import sign_instruction
 from hearth.router.workers import Worker
 
@@ -54,22 +55,22 @@ class PDAdapter(ABC):
     ) -> dict[str, Any]: ...
 
 
-PD_ADAPTERS: dict[str, type[PDAdapter]] = {}
+PD_ADAPTERS: Registry[type[PDAdapter]] = Registry("PD protocol")
 
 
 def register_pd_adapter(name: str) -> Callable[[type[PDAdapter]], type[PDAdapter]]:
+    """Class decorator: `--pd-protocol NAME` shapes requests with this class (which then knows its name)."""
+
     def wrap(cls: type[PDAdapter]) -> type[PDAdapter]:
         cls.name = name
-        PD_ADAPTERS[name] = cls
-        return cls
+        return PD_ADAPTERS.register(name)(cls)
 
     return wrap
 
 
 def make_pd_adapter(name: str, secret: bytes | None = None) -> PDAdapter:
-    if name not in PD_ADAPTERS:
-        raise ValueError(f"unknown PD protocol {name!r}; choose one of {sorted(PD_ADAPTERS)}")
-    adapter = PD_ADAPTERS[name]()
+    """A new adapter; an UnknownNameError (a ValueError) naming the known ones for an unknown `name`."""
+    adapter = PD_ADAPTERS.get(name)()
     adapter.secret = secret
     return adapter
 

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from hearth.contracts.registry import Registry
 from hearth.router.workers import Worker
 
 
@@ -66,22 +67,22 @@ class RoutingPolicy(ABC):
     def choose(self, request: RouteRequest, workers: Sequence[Worker]) -> Decision: ...
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {}
+POLICIES: Registry[type[RoutingPolicy]] = Registry("routing policy")
 
 
 def register_policy(name: str) -> Callable[[type[RoutingPolicy]], type[RoutingPolicy]]:
+    """Class decorator: `--policy NAME` routes with this class (which then knows its name)."""
+
     def wrap(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
         cls.name = name
-        POLICIES[name] = cls
-        return cls
+        return POLICIES.register(name)(cls)
 
     return wrap
 
 
 def make_policy(name: str, config: BalanceConfig | None = None) -> RoutingPolicy:
-    if name not in POLICIES:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name](config or BalanceConfig())
+    """A new policy; an UnknownNameError (a ValueError) naming the known ones for an unknown `name`."""
+    return POLICIES.get(name)(config or BalanceConfig())
 
 
 def is_overloaded(

@@ -17,6 +17,14 @@ from pathlib import Path
 from types import FrameType
 
 import hearth
+from hearth.contracts.cli_common import (
+    API_KEY_ENV,
+    KV_TRANSFER_SECRET_ENV,
+    KV_TRANSFER_SECRET_FILE_ENV,
+    add_kv_transfer_secret_arguments,
+    add_listen_arguments,
+    add_log_level_argument,
+)
 from hearth.engine.config import EngineConfig
 from hearth.server.reasoning_parsers import available_reasoning_parsers
 from hearth.server.tool_parsers import available_tool_parsers
@@ -37,12 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_arguments(parser)
     add_vllm_arguments(parser)
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    group.add_argument("--port", type=port_number, default=8000, help="port to bind (0: any free port)")
+    add_listen_arguments(group)
     group.add_argument(
         "--api-key",
-        default=os.environ.get("HEARTH_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (default: $HEARTH_API_KEY)",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize (default: ${API_KEY_ENV})",
     )
     group.add_argument(
         "--max-queued-requests",
@@ -104,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let special-token text in chat messages (<|im_start|>) become control tokens; "
         "by default it is tokenized as text",
     )
-    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_level_argument(group, default="info")
     group.add_argument(
         "--uvicorn-log-level",
         default=None,
@@ -129,44 +136,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
-    from hearth.engine.config import ROLE_CHOICES
-
-    group = parser.add_argument_group("prefill/decode disaggregation (docs/pd-protocol.md)")
-    group.add_argument(
-        "--role",
-        default="mixed",
-        choices=ROLE_CHOICES,
-        help="mixed: computes everything; prefill: computes prompts and sends their KV; decode: receives "
-        "prompt KV and answers",
-    )
-    group.add_argument(
-        "--kv-transfer", default="tcp", choices=("tcp", "mooncake"), help="how KV moves between servers"
-    )
-    group.add_argument(
-        "--kv-transfer-host", default="127.0.0.1", help="decode role: address the KV listener binds"
-    )
-    group.add_argument(
-        "--kv-transfer-port", type=int, default=0, help="decode role: KV listener port (0: any free port)"
-    )
-    group.add_argument(
-        "--kv-transfer-secret",
-        default=None,
-        help="the deployment's shared KV transfer secret; visible in `ps`: prefer --kv-transfer-secret-file "
-        "or $HEARTH_KV_TRANSFER_SECRET",
-    )
-    group.add_argument(
-        "--kv-transfer-secret-file",
-        default=None,
-        metavar="FILE",
-        help="file holding the KV transfer secret (default: $HEARTH_KV_TRANSFER_SECRET_FILE)",
-    )
-    group.add_argument(
-        "--kv-transfer-timeout",
-        dest="kv_transfer_timeout_s",
-        type=float,
-        default=30.0,
-        help="seconds a decode request waits for its KV before it computes the prompt itself",
-    )
+    """The deployment secret a prefill or decode server needs (`--role` and the KV transfer options are
+    engine options, generated with the others)."""
+    group = parser.add_argument_group("prefill/decode secret (docs/pd-protocol.md)")
+    add_kv_transfer_secret_arguments(group, "authenticates KV transfers and PD instructions", with_value=True)
 
 
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
@@ -305,17 +278,6 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list
     return expanded + rest
 
 
-def port_number(text: str) -> int:
-    """A TCP port for argparse: 0 (any free port) to 65535. `--port 70000` used to listen on 70000 % 65536."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535; 0 picks a free port)")
-    return port
-
-
 def resolve_model_dir(model: str | None, revision: str | None = None, cache_dir: str | None = None) -> Path:
     """The checkpoint to serve: `--model` (a directory, a GGUF file, a short name such as `smollm2`
     (`hearth.model.named_models`), or a Hub repo id in the local HF cache), else the bundled demo model.
@@ -400,9 +362,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.kv_transfer_secret:
         # The engine core reads it from its environment: it never appears in its command line.
-        os.environ["HEARTH_KV_TRANSFER_SECRET"] = args.kv_transfer_secret
+        os.environ[KV_TRANSFER_SECRET_ENV] = args.kv_transfer_secret
     if getattr(args, "kv_transfer_secret_file", None):
-        os.environ["HEARTH_KV_TRANSFER_SECRET_FILE"] = args.kv_transfer_secret_file
+        os.environ[KV_TRANSFER_SECRET_FILE_ENV] = args.kv_transfer_secret_file
     if engine_config.role != "mixed":
         from hearth.kv_transfer.auth import MissingSecretError, deployment_secret
 

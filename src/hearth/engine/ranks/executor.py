@@ -107,7 +107,7 @@ def spawn_rank(rank: int, parallel: ParallelConfig, device: str) -> subprocess.P
         device,
         "--parent-pid",
         str(os.getpid()),
-        "--log-level",
+        "--log-level-number",
         str(logging.getLogger().getEffectiveLevel()),
     ]
     process = subprocess.Popen(command)

@@ -68,10 +68,14 @@ def run_node(config: EngineConfig) -> int:
     return 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hearth.engine.ranks.node")
     EngineConfig.add_cli_arguments(parser, require_model=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [node]: %(message)s")
     try:
         config = EngineConfig.from_cli_args(args)

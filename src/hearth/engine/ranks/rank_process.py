@@ -88,12 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", required=True, help="ParallelConfig as JSON")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    parser.add_argument("--log-level-number", type=int, default=logging.INFO)  # not --log-level NAME
     args = parser.parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the supervisor decides when this rank stops
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(
-        level=args.log_level, format=f"%(asctime)s %(levelname)s %(name)s [rank {args.rank}]: %(message)s"
+        level=args.log_level_number,
+        format=f"%(asctime)s %(levelname)s %(name)s [rank {args.rank}]: %(message)s",
     )
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
     parallel = msgspec.json.decode(args.parallel, type=ParallelConfig)

@@ -24,7 +24,6 @@ from hearth.engine.config import EngineConfig
 from hearth.engine.speculative.lean_draft import CONTEXT_WINDOW_TOKENS, LeanDraftRunner, LeanSequence
 from hearth.engine.speculative.paged_rows import decode_rows_first, proposer_step_input
 from hearth.engine.speculative.proposer import ProposalRequest, Proposer
-from hearth.engine.speculative.registry import register_proposer
 from hearth.kv.manager import KVCacheManager
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.parallel.state import single_rank
@@ -155,8 +154,7 @@ class DraftModelProposer(Proposer):
         return out
 
 
-@register_proposer("draft", needs_model=True)
-def _build(
+def build(
     config: EngineConfig,
     model_config: ModelConfig,
     dtype: torch.dtype,

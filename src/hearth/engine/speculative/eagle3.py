@@ -31,7 +31,6 @@ from hearth.engine.request import RequestStatus
 from hearth.engine.scheduler import ScheduledRequest
 from hearth.engine.speculative.paged_rows import decode_rows_first, proposer_step_input
 from hearth.engine.speculative.proposer import ProposalRequest, Proposer
-from hearth.engine.speculative.registry import register_proposer
 from hearth.kv.manager import KVCacheManager
 from hearth.kv.pool import KVLayout, KVPool, resolve_kv_dtype
 from hearth.model.config import ModelConfig, ModelLoadError
@@ -270,8 +269,7 @@ def load_whole_embedding(model_dir: str, dtype: torch.dtype, device: torch.devic
     raise ModelLoadError(f"{model_dir}: no embedding table found for the EAGLE-3 head")
 
 
-@register_proposer("eagle3", needs_model=True)
-def _build(
+def build(
     config: EngineConfig,
     model_config: ModelConfig,
     target_worker: Any,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 
 from hearth.engine.speculative.proposer import ProposalRequest, Proposer
-from hearth.engine.speculative.registry import register_proposer
 
 
 def lookup(token_ids: list[int] | np.ndarray, num_tokens: int, min_n: int = 2, max_n: int = 4) -> list[int]:
@@ -45,7 +44,6 @@ class NgramProposer(Proposer):
         return [lookup(r.token_ids, r.num_tokens, self.min_n, self.max_n) for r in batch]
 
 
-@register_proposer("ngram", needs_model=False)
-def _build(**context: object) -> NgramProposer:
+def build(**context: object) -> NgramProposer:
     lookup = getattr(context.get("config"), "ngram_lookup", None)  # vLLM's prompt_lookup_min/max
     return NgramProposer(*lookup) if lookup else NgramProposer()

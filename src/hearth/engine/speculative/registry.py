@@ -1,4 +1,6 @@
-"""Proposers by name (`--speculative-method`), built lazily so `ngram` never imports a model."""
+"""Proposers by name (`--speculative-method`, `--speculative-config`'s `method`): one lazy line per method,
+with whether it needs a draft checkpoint as metadata, so the config checks a method (and the CLI lists
+them) without importing a proposer, torch or a model."""
 
 from __future__ import annotations
 
@@ -6,36 +8,35 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hearth.contracts.registry import Registry
+
 if TYPE_CHECKING:
     from hearth.engine.speculative.proposer import Proposer
 
-# name -> (builder(context) -> Proposer, needs a --speculative-model)
-_BUILDERS: dict[str, tuple[Callable[..., Proposer], bool]] = {}
+# Each target is a builder: `build(**context) -> Proposer`.
+PROPOSERS: Registry[Callable[..., Proposer]] = Registry("speculative method")
+PROPOSERS.add("ngram", "hearth.engine.speculative.ngram:build", needs_model=False)
+PROPOSERS.add("suffix", "hearth.engine.speculative.suffix:build", needs_model=False)
+# `draft_model` is vLLM's name for the same method.
+PROPOSERS.add("draft", "hearth.engine.speculative.draft:build", aliases=("draft_model",), needs_model=True)
+PROPOSERS.add("eagle3", "hearth.engine.speculative.eagle3:build", needs_model=True)
 
 
 def register_proposer(
     name: str, needs_model: bool
 ) -> Callable[[Callable[..., Proposer]], Callable[..., Proposer]]:
-    def wrap(builder: Callable[..., Proposer]) -> Callable[..., Proposer]:
-        _BUILDERS[name] = (builder, needs_model)
-        return builder
-
-    return wrap
-
-
-def _load_builtin() -> None:
-    # Imported here: each module registers itself; draft/eagle3 import torch and the model code.
-    from hearth.engine.speculative import draft, eagle3, ngram, suffix  # noqa: F401
+    """Decorator for a builder defined outside this package."""
+    return PROPOSERS.register(name, needs_model=needs_model)
 
 
 def check_speculative_options(method: str, model: str | None, num_tokens: int) -> None:
-    """Raises ValueError naming the option to fix (EngineConfig calls it; no model is loaded)."""
-    _load_builtin()
-    if method not in _BUILDERS:
-        raise ValueError(f"speculative_method must be one of {', '.join(sorted(_BUILDERS))}, got {method!r}")
+    """Raises ValueError naming the option to fix (EngineConfig calls it; nothing is imported or loaded).
+    `method` must be a registered name, not an alias: the engine compares it by name."""
+    if method not in PROPOSERS.names():
+        raise ValueError(f"speculative_method must be one of {', '.join(PROPOSERS.names())}, got {method!r}")
     if num_tokens < 1:
         raise ValueError("num_speculative_tokens must be >= 1")
-    needs_model = _BUILDERS[method][1]
+    needs_model = PROPOSERS.metadata(method)["needs_model"]
     if needs_model and model is None:
         raise ValueError(
             f"--speculative-method {method} needs --speculative-model DIR (the draft checkpoint)"
@@ -46,5 +47,4 @@ def check_speculative_options(method: str, model: str | None, num_tokens: int) -
 
 def build_proposer(method: str, **context: Any) -> Proposer:
     """`context`: what builders may use (config, model_config, target worker, sample vocab, ...)."""
-    _load_builtin()
-    return _BUILDERS[method][0](**context)
+    return PROPOSERS.get(method)(**context)

@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hearth.engine.speculative.proposer import ProposalRequest, Proposer
-from hearth.engine.speculative.registry import register_proposer
 from hearth.engine.speculative.suffix_index import Draft, RequestCorpus, TenantCorpora
 
 
@@ -89,6 +88,5 @@ class SuffixProposer(Proposer):
         self._requests.pop(request_id, None)
 
 
-@register_proposer("suffix", needs_model=False)
-def _build(**_context: object) -> SuffixProposer:
+def build(**_context: object) -> SuffixProposer:
     return SuffixProposer()

@@ -7,11 +7,12 @@ chain (`hearth.kv.prefix_keys`), so a key means the same page in every process a
 
 from hearth.kv.tiers.base import KVTier, TierUnavailable
 from hearth.kv.tiers.page_format import PageFormatError, PageSpec, decode_page, encode_page
-from hearth.kv.tiers.registry import build_tiers, open_store, register_store
+from hearth.kv.tiers.registry import KV_STORES, build_tiers, open_store, register_store
 from hearth.kv.tiers.stack import TierStack
 from hearth.kv.tiers.stats import TierStats
 
 __all__ = [
+    "KV_STORES",
     "KVTier",
     "PageFormatError",
     "PageSpec",

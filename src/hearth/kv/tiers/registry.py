@@ -1,15 +1,16 @@
 """Tiers by name: `--kv-offload-memory` (host), `--kv-disk-dir` (disk) and `--kv-store URL` by its scheme.
 
-`register_store(scheme)` adds a cluster store; store modules are imported only when a URL names them,
-so redis-py or Mooncake are needed only by servers that use them.
+`KV_STORES` names each cluster store's factory by URL scheme, as lazy `"module:Class"` entries: a store's
+module is imported only when a URL names it, so redis-py or Mooncake are needed only by servers that use
+them. `register_store(scheme)` adds one from outside.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from hearth.contracts.registry import Registry
 from hearth.kv.tiers.base import BlobStoreTier, KVTier
 from hearth.kv.tiers.blob_auth import BlobMAC
 from hearth.kv.tiers.disk import DiskTier
@@ -19,41 +20,27 @@ from hearth.kv.tiers.page_format import PageSpec
 GIB = 1 << 30
 StoreFactory = Callable[[PageSpec, str], KVTier]
 
-# scheme -> "module:class", imported on first use
-_BUILTIN_STORES = {
-    "redis": "hearth.kv.tiers.redis_store:RedisTier",
-    "rediss": "hearth.kv.tiers.redis_store:RedisTier",
-    "valkey": "hearth.kv.tiers.redis_store:RedisTier",
-    "mooncake": "hearth.kv.tiers.mooncake_store:MooncakeTier",
-}
-_STORES: dict[str, StoreFactory] = {}
+KV_STORES: Registry[StoreFactory] = Registry("KV store scheme")
+# Each scheme is its own name (not an alias): the URL keeps the scheme it was given.
+for _scheme in ("redis", "rediss", "valkey"):
+    KV_STORES.add(_scheme, "hearth.kv.tiers.redis_store:RedisTier")
+KV_STORES.add("mooncake", "hearth.kv.tiers.mooncake_store:MooncakeTier")
 
 
 def register_store(scheme: str) -> Callable[[StoreFactory], StoreFactory]:
-    def wrap(factory: StoreFactory) -> StoreFactory:
-        _STORES[scheme] = factory
-        return factory
-
-    return wrap
+    """Decorator: `--kv-store SCHEME://...` opens its store with this factory."""
+    return KV_STORES.register(scheme)
 
 
 def store_schemes() -> list[str]:
-    return sorted({*_BUILTIN_STORES, *_STORES})
+    return list(KV_STORES.names())
 
 
 def open_store(spec: PageSpec, url: str, secret: bytes | None = None) -> KVTier:
     """The cluster store `url` names. Its blobs carry MACs under `secret` (the deployment's), which it
     needs: every server and client that can reach a shared store could otherwise write any page."""
     scheme = urlsplit(url).scheme
-    factory = _STORES.get(scheme)
-    if factory is None:
-        target = _BUILTIN_STORES.get(scheme)
-        if target is None:
-            raise ValueError(
-                f"--kv-store {url!r}: unknown scheme {scheme!r}; known: {', '.join(store_schemes())}"
-            )
-        module_name, class_name = target.split(":")
-        factory = getattr(importlib.import_module(module_name), class_name)
+    factory = KV_STORES.get(scheme)
     if not secret:
         raise ValueError(
             f"--kv-store {url}: a shared store needs the deployment secret to authenticate its pages: set "

@@ -1,1 +1,2 @@
-"""One module per architecture family; each registers its Hugging Face names with `hearth.model.registry`."""
+"""One module per architecture family; `hearth.model.registry.MODELS` names each class by its Hugging Face
+architecture."""

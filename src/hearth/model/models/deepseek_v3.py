@@ -12,7 +12,6 @@ from torch import nn
 from hearth.model.config import MLAConfig, ModelLoadError
 from hearth.model.mla import MLAttention
 from hearth.model.moe import MoECausalLM, MoEDecoderLayer, sigmoid_moe_config
-from hearth.model.registry import register_model
 from hearth.model.weights import ShardId
 
 
@@ -20,7 +19,6 @@ class DeepseekV3DecoderLayer(MoEDecoderLayer):
     attention_class: ClassVar[type[nn.Module]] = MLAttention
 
 
-@register_model("DeepseekV3ForCausalLM")
 class DeepseekV3ForCausalLM(MoECausalLM):
     layer_class: ClassVar[type[nn.Module]] = DeepseekV3DecoderLayer
     # MLA's `q_proj` (no query compression) is its own matrix: only the MLPs' gate/up are fused.

@@ -14,7 +14,6 @@ import torch
 from hearth.model.config import ModelConfig, ModelLoadError
 from hearth.model.decoder import CausalLM
 from hearth.model.layers import MLP, Attention, LayerOptions, RMSNorm
-from hearth.model.registry import register_model
 from hearth.model.rotary import build_cos_sin_table
 
 
@@ -61,7 +60,6 @@ class Gemma3DecoderLayer(torch.nn.Module):
         return hidden + self.post_feedforward_layernorm(mlp), None
 
 
-@register_model("Gemma3ForCausalLM")
 class Gemma3ForCausalLM(CausalLM):
     layer_class = Gemma3DecoderLayer
 

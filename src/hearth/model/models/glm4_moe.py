@@ -13,7 +13,6 @@ from torch import nn
 from hearth.model.config import ModelConfig
 from hearth.model.layers import Attention, LayerOptions
 from hearth.model.moe import MoECausalLM, MoEDecoderLayer, sigmoid_moe_config
-from hearth.model.registry import register_model
 from hearth.model.rotary import apply_rotary
 from hearth.ops.attention import AttentionContext
 
@@ -54,7 +53,6 @@ class Glm4MoeDecoderLayer(MoEDecoderLayer):
     attention_class: ClassVar[type[nn.Module]] = PartialRotaryAttention
 
 
-@register_model("Glm4MoeForCausalLM")
 class Glm4MoeForCausalLM(MoECausalLM):
     layer_class: ClassVar[type[nn.Module]] = Glm4MoeDecoderLayer
 

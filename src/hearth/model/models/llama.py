@@ -5,10 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from hearth.model.decoder import CausalLM
-from hearth.model.registry import register_model
 
 
-@register_model("LlamaForCausalLM")
 class LlamaForCausalLM(CausalLM):
     """The base decoder. `attention_bias` puts a bias on q/k/v and o_proj, `mlp_bias` on the MLP; no
     sliding window."""

@@ -5,10 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from hearth.model.decoder import CausalLM
-from hearth.model.registry import register_model
 
 
-@register_model("MistralForCausalLM")
 class MistralForCausalLM(CausalLM):
     @classmethod
     def config_fields(cls, raw: dict[str, Any], source: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from typing import Any
 
 from hearth.model.config import ModelLoadError
 from hearth.model.decoder import CausalLM
-from hearth.model.registry import register_model
 
 
 def qwen_sliding_window(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -29,7 +28,6 @@ def qwen_sliding_window(raw: dict[str, Any], source: str) -> dict[str, Any]:
     return {"sliding_window": int(window), "layer_types": tuple(layer_types)}
 
 
-@register_model("Qwen2ForCausalLM")
 class Qwen2ForCausalLM(CausalLM):
     @classmethod
     def config_fields(cls, raw: dict[str, Any], source: str) -> dict[str, Any]:

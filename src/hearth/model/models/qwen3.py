@@ -6,10 +6,8 @@ from typing import Any
 
 from hearth.model.models.llama import LlamaForCausalLM
 from hearth.model.models.qwen2 import qwen_sliding_window
-from hearth.model.registry import register_model
 
 
-@register_model("Qwen3ForCausalLM")
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def config_fields(cls, raw: dict[str, Any], source: str) -> dict[str, Any]:

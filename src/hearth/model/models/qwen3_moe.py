@@ -8,10 +8,8 @@ from typing import Any
 from hearth.model.config import MoEConfig
 from hearth.model.models.qwen2 import qwen_sliding_window
 from hearth.model.moe import MoECausalLM
-from hearth.model.registry import register_model
 
 
-@register_model("Qwen3MoeForCausalLM")
 class Qwen3MoeForCausalLM(MoECausalLM):
     @classmethod
     def config_fields(cls, raw: dict[str, Any], source: str) -> dict[str, Any]:

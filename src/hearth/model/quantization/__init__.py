@@ -1,6 +1,7 @@
 """Quantization methods by name (`get_quantization_method`); see `registry.QuantizationMethod` for the contract."""
 
 from hearth.model.quantization.registry import (
+    QUANTIZATION_METHODS,
     QuantizationMethod,
     get_quantization_method,
     register_quantization_method,
@@ -8,6 +9,7 @@ from hearth.model.quantization.registry import (
 )
 
 __all__ = [
+    "QUANTIZATION_METHODS",
     "QuantizationMethod",
     "get_quantization_method",
     "register_quantization_method",

@@ -15,7 +15,6 @@ import torch
 
 from hearth.model.config import ModelLoadError
 from hearth.model.quantization.int4 import PACK, Int4LinearMethod, add_param, check_divisible, unpack_int32
-from hearth.model.quantization.registry import register_quantization_method
 
 if TYPE_CHECKING:
     from hearth.model.layers import Linear
@@ -30,7 +29,6 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return nibbles[:, :, list(AWQ_REVERSE_ORDER)].reshape(packed.shape[0], -1)
 
 
-@register_quantization_method("awq")
 class AWQLinearMethod(Int4LinearMethod):
     def __init__(self, group_size: int = 128) -> None:
         self.group_size = group_size

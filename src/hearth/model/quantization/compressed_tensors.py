@@ -26,7 +26,6 @@ from hearth.model.quantization.int4 import (
     load_g_idx,
     unpack_int32,
 )
-from hearth.model.quantization.registry import register_quantization_method
 
 if TYPE_CHECKING:
     from hearth.model.layers import Linear
@@ -38,7 +37,6 @@ def _ignore_loader(param: torch.nn.Parameter, loaded: torch.Tensor, shard: Any =
     """`weight_shape` restates the layer's shape; nothing to keep."""
 
 
-@register_quantization_method("compressed-tensors", "compressed_tensors")
 class CompressedTensorsW4A16Method(Int4LinearMethod):
     def __init__(self, group_size: int = 128, symmetric: bool = True, actorder: bool = False) -> None:
         self.group_size = group_size

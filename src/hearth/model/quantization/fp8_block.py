@@ -20,7 +20,7 @@ import torch
 
 from hearth.model.config import ModelLoadError
 from hearth.model.quantization.int4 import add_param, rtn_group_size, rtn_lm_head
-from hearth.model.quantization.registry import QuantizationMethod, register_quantization_method
+from hearth.model.quantization.registry import QuantizationMethod
 from hearth.model.quantization.unquantized import UnquantizedLinearMethod
 from hearth.model.weights import ShardId
 from hearth.ops.int4 import Int4Weights, int4_linear, make_int4_weights, quantize_rtn
@@ -64,7 +64,6 @@ def quantize_fp8_blocks(
     return (weight.float() / full).to(torch.float8_e4m3fn), scale_inv
 
 
-@register_quantization_method("fp8")
 class Fp8BlockLinearMethod(QuantizationMethod):
     def __init__(self, block: tuple[int, int] = (128, 128)) -> None:
         self.block = block
@@ -119,7 +118,6 @@ class Fp8BlockLinearMethod(QuantizationMethod):
         return UnquantizedLinearMethod.apply(self._dense, layer, x, bias)
 
 
-@register_quantization_method("fp8-int4")
 class Fp8BlockToInt4Method(Fp8BlockLinearMethod):
     """`--quantization int4` on an FP8 block-scaled checkpoint: dequantize per block, then RTN per group."""
 

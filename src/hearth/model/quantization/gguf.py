@@ -30,7 +30,7 @@ from torch import nn
 
 from hearth.model.config import ModelLoadError
 from hearth.model.gguf_file import QuantizedTensor
-from hearth.model.quantization.registry import QuantizationMethod, register_quantization_method
+from hearth.model.quantization.registry import QuantizationMethod
 from hearth.model.quantization.unquantized import UnquantizedLinearMethod
 from hearth.model.weights import WeightShapeError, set_weight_attrs
 from hearth.ops.int4 import BLOCK, Int4Weights, int4_linear, int8_activations_default, pack_int4
@@ -119,7 +119,6 @@ def _int8_weights(parts: list[QuantizedTensor]) -> Int8Weights:
     )
 
 
-@register_quantization_method("gguf")
 class GGUFLinearMethod(QuantizationMethod):
     """Each layer keeps the file's parts (`gguf_parts`) until loaded, then holds `int4` (`Int4Weights`,
     groups of 32), `int8` (`Int8Weights`, Q8_0) or a dense weight served as the unquantized method serves it."""

@@ -26,13 +26,11 @@ from hearth.model.quantization.int4 import (
     load_g_idx,
     unpack_int32,
 )
-from hearth.model.quantization.registry import register_quantization_method
 
 if TYPE_CHECKING:
     from hearth.model.layers import Linear
 
 
-@register_quantization_method("gptq")
 class GPTQLinearMethod(Int4LinearMethod):
     def __init__(self, group_size: int = 128, zero_offset: int = 1) -> None:
         self.group_size = group_size

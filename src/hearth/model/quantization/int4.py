@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hearth.model.config import ModelLoadError
-from hearth.model.quantization.registry import QuantizationMethod, register_quantization_method
+from hearth.model.quantization.registry import QuantizationMethod
 from hearth.model.weights import set_weight_attrs
 from hearth.ops.int4 import Int4Weights, int4_linear, make_int4_weights, quantize_rtn
 
@@ -135,7 +135,6 @@ def rtn_group_size(input_features: int) -> int:
     return group_size
 
 
-@register_quantization_method("int4")
 class RTNInt4Method(Int4LinearMethod):
     """`--quantization int4`: the checkpoint's dense weights, rounded to nearest per group of 128 input
     features (64 where 128 does not divide them), asymmetric (a zero point per group)."""

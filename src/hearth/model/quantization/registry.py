@@ -1,22 +1,21 @@
 """Quantization methods, chosen by name: how a linear layer stores its weights and multiplies by them.
 
-Adding one (INT4 GPTQ/AWQ, FP8 block weights) is a new module that subclasses `QuantizationMethod`
-and registers under its names with `@register_quantization_method("name")`, plus its import in
-`_ensure_registered`; the layers and the loader stay as they are.
+Adding one (INT4 GPTQ/AWQ, FP8 block weights) is a new module that subclasses `QuantizationMethod`, plus
+one line in `QUANTIZATION_METHODS` below; the layers and the loader stay as they are. The entries are lazy,
+so this module imports no torch: the config can name the methods without loading one.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
-from hearth.model.config import ModelLoadError
+from hearth.contracts.registry import Registry
 
 if TYPE_CHECKING:
+    import torch
+
     from hearth.model.layers import Linear
 
 
@@ -57,50 +56,41 @@ class QuantizationMethod(ABC):
 
 
 M = TypeVar("M", bound=type[QuantizationMethod])
-_METHODS: dict[str, type[QuantizationMethod]] = {}
-_MODULES = (
-    "hearth.model.quantization.unquantized",
-    "hearth.model.quantization.int4",
-    "hearth.model.quantization.gptq",
-    "hearth.model.quantization.awq",
-    "hearth.model.quantization.compressed_tensors",
-    "hearth.model.quantization.fp8_block",
-    "hearth.model.quantization.gguf",
+
+QUANTIZATION_METHODS: Registry[type[QuantizationMethod]] = Registry("quantization method")
+QUANTIZATION_METHODS.add(
+    "unquantized", "hearth.model.quantization.unquantized:UnquantizedLinearMethod", aliases=("none",)
 )
+QUANTIZATION_METHODS.add("int4", "hearth.model.quantization.int4:RTNInt4Method")
+QUANTIZATION_METHODS.add("gptq", "hearth.model.quantization.gptq:GPTQLinearMethod")
+QUANTIZATION_METHODS.add("awq", "hearth.model.quantization.awq:AWQLinearMethod")
+QUANTIZATION_METHODS.add(
+    "compressed-tensors",
+    "hearth.model.quantization.compressed_tensors:CompressedTensorsW4A16Method",
+    aliases=("compressed_tensors",),
+)
+QUANTIZATION_METHODS.add("fp8", "hearth.model.quantization.fp8_block:Fp8BlockLinearMethod")
+QUANTIZATION_METHODS.add("fp8-int4", "hearth.model.quantization.fp8_block:Fp8BlockToInt4Method")
+QUANTIZATION_METHODS.add("gguf", "hearth.model.quantization.gguf:GGUFLinearMethod")
 
 
 def register_quantization_method(*names: str) -> Callable[[M], M]:
-    """Class decorator: serve `--quantization NAME` with this method, for each of `names`."""
+    """Class decorator for a method defined outside this package: serve `--quantization NAME` with it
+    (the first of `names` is its name, the rest aliases)."""
 
     def register(cls: M) -> M:
-        for name in names:
-            if name in _METHODS and _METHODS[name] is not cls:
-                raise ValueError(
-                    f"quantization method {name!r} is already registered by {_METHODS[name].__name__}"
-                )
-            _METHODS[name] = cls
+        QUANTIZATION_METHODS.add(names[0], cls, aliases=names[1:])
         return cls
 
     return register
 
 
-def _ensure_registered() -> None:
-    for module in _MODULES:
-        importlib.import_module(module)
-
-
 def supported_quantization_methods() -> tuple[str, ...]:
-    _ensure_registered()
-    return tuple(sorted(_METHODS))
+    return QUANTIZATION_METHODS.choices()
 
 
 def get_quantization_method(name: str, quant_config: dict[str, Any] | None = None) -> QuantizationMethod:
     """A new instance of the method registered as `name` (configured by the checkpoint's
-    `quantization_config` when given); a ModelLoadError naming the known ones otherwise."""
-    _ensure_registered()
-    cls = _METHODS.get(name)
-    if cls is None:
-        raise ModelLoadError(
-            f"quantization method {name!r} is not supported; supported: {', '.join(supported_quantization_methods())}"
-        )
+    `quantization_config` when given); an UnknownNameError naming the known ones otherwise."""
+    cls = QUANTIZATION_METHODS.get(name)
     return cls() if quant_config is None else cls.from_config(quant_config)

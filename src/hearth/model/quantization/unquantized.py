@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.model.quantization.registry import QuantizationMethod, register_quantization_method
+from hearth.model.quantization.registry import QuantizationMethod
 from hearth.model.weights import set_weight_attrs
 from hearth.ops.linear import linear, prepare_linear_weights
 
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from hearth.model.layers import Linear
 
 
-@register_quantization_method("unquantized", "none")
 class UnquantizedLinearMethod(QuantizationMethod):
     """One `[out, in]` weight. On CPU, `process_after_loading` lays it out for the fast paths (oneDNN
     prepacked, an exact bf16 copy for few rows) into `layer.prepared`, and drops the float32 `weight`

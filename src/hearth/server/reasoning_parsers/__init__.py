@@ -1,8 +1,8 @@
-"""Reasoning parsers (`--reasoning-parser NAME`): split a model's thinking from its answer. Importing this
-package registers the built-in formats."""
+"""Reasoning parsers (`--reasoning-parser NAME`): split a model's thinking from its answer. The built-in
+formats are lazy entries of `base.REASONING_PARSERS`."""
 
-from hearth.server.reasoning_parsers import harmony, think  # noqa: F401  (registration)
 from hearth.server.reasoning_parsers.base import (
+    REASONING_PARSERS,
     ReasoningExtractor,
     ReasoningParser,
     ReasoningResult,
@@ -12,6 +12,7 @@ from hearth.server.reasoning_parsers.base import (
 )
 
 __all__ = [
+    "REASONING_PARSERS",
     "ReasoningExtractor",
     "ReasoningParser",
     "ReasoningResult",

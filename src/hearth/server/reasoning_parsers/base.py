@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hearth.contracts.registry import Registry
+
 
 @dataclass
 class ReasoningResult:
@@ -34,29 +36,26 @@ class ReasoningParser(ABC):
         return False
 
 
-_PARSERS: dict[str, type[ReasoningParser]] = {}
+REASONING_PARSERS: Registry[type[ReasoningParser]] = Registry("reasoning parser")
+REASONING_PARSERS.add("deepseek_r1", "hearth.server.reasoning_parsers.think:DeepSeekR1ReasoningParser")
+REASONING_PARSERS.add("qwen3", "hearth.server.reasoning_parsers.think:Qwen3ReasoningParser")
+REASONING_PARSERS.add("glm45", "hearth.server.reasoning_parsers.think:Glm45ReasoningParser")
+REASONING_PARSERS.add("kimi_k2", "hearth.server.reasoning_parsers.think:KimiK2ReasoningParser")
+REASONING_PARSERS.add("openai_gptoss", "hearth.server.reasoning_parsers.harmony:HarmonyReasoningParser")
 
 
 def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-    def register(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        if name in _PARSERS:
-            raise ValueError(f"reasoning parser {name!r} is registered twice")
-        _PARSERS[name] = cls
-        return cls
-
-    return register
+    """Class decorator for a parser defined outside this package."""
+    return REASONING_PARSERS.register(name)
 
 
 def available_reasoning_parsers() -> list[str]:
-    return sorted(_PARSERS)
+    return list(REASONING_PARSERS.names())
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
-    if name not in _PARSERS:
-        raise KeyError(
-            f"unknown reasoning parser {name!r}; choose one of {', '.join(available_reasoning_parsers())}"
-        )
-    return _PARSERS[name]()
+    """A new parser for `name`; an UnknownNameError naming the known ones otherwise."""
+    return REASONING_PARSERS.get(name)()
 
 
 class ReasoningExtractor:

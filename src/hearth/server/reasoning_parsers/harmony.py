@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 from hearth.server.harmony import is_harmony, split_messages
-from hearth.server.reasoning_parsers.base import ReasoningParser, ReasoningResult, register_reasoning_parser
+from hearth.server.reasoning_parsers.base import ReasoningParser, ReasoningResult
 
 
-@register_reasoning_parser("openai_gptoss")
 class HarmonyReasoningParser(ReasoningParser):
     name = "openai_gptoss"
     needs_special_tokens = True

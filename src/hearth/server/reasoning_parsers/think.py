@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from hearth.server.reasoning_parsers.base import ReasoningParser, ReasoningResult, register_reasoning_parser
+from hearth.server.reasoning_parsers.base import ReasoningParser, ReasoningResult
 from hearth.server.text_markers import hold_back
 
 
@@ -46,23 +46,19 @@ def _trim(reasoning: str, final: bool) -> str:
     return reasoning.strip() if final else reasoning.lstrip().rstrip()
 
 
-@register_reasoning_parser("deepseek_r1")
 class DeepSeekR1ReasoningParser(ThinkReasoningParser):
     name = "deepseek_r1"
     always_starts_in_reasoning = True
 
 
-@register_reasoning_parser("qwen3")
 class Qwen3ReasoningParser(ThinkReasoningParser):
     name = "qwen3"
 
 
-@register_reasoning_parser("glm45")
 class Glm45ReasoningParser(ThinkReasoningParser):
     name = "glm45"
 
 
-@register_reasoning_parser("kimi_k2")
 class KimiK2ReasoningParser(ThinkReasoningParser):
     name = "kimi_k2"
     implicit_ends = ("<|tool_calls_section_begin|>",)

@@ -5,14 +5,12 @@ inside `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>`; V3.1 dro
 from __future__ import annotations
 
 from hearth.server.tool_parsers.base import ParsedToolCall, TaggedToolParser, hold_back
-from hearth.server.tool_parsers.registry import register_tool_parser
 
 _SEP = "<｜tool▁sep｜>"
 _FENCE_OPEN = "```json"
 _FENCE_CLOSE = "```"
 
 
-@register_tool_parser("deepseek_v3")
 class DeepSeekV3ToolParser(TaggedToolParser):
     name = "deepseek_v3"
     needs_special_tokens = True

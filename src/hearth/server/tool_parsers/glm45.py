@@ -12,13 +12,11 @@ from hearth.server.tool_parsers.base import (
     TypedArgumentsMixin,
     arguments_object,
 )
-from hearth.server.tool_parsers.registry import register_tool_parser
 
 _ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _NAME = re.compile(r"^\s*([^\s<]+)(?=\s|<)")
 
 
-@register_tool_parser("glm45")
 class Glm45ToolParser(TypedArgumentsMixin, TaggedToolParser):
     name = "glm45"
     start_tag = "<tool_call>"

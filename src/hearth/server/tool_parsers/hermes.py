@@ -6,10 +6,8 @@ import json
 
 from hearth.server.tool_parsers.base import ParsedToolCall, TaggedToolParser
 from hearth.server.tool_parsers.json_calls import json_call
-from hearth.server.tool_parsers.registry import register_tool_parser
 
 
-@register_tool_parser("hermes")
 class HermesToolParser(TaggedToolParser):
     name = "hermes"
     start_tag = "<tool_call>"

@@ -6,13 +6,11 @@ from __future__ import annotations
 import re
 
 from hearth.server.tool_parsers.base import ParsedToolCall, TaggedToolParser
-from hearth.server.tool_parsers.registry import register_tool_parser
 
 _ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
 _CALL_ID = re.compile(r"^\s*(?:functions\.)?(?P<name>[^:\s]+)(?::\d+)?\s*$")
 
 
-@register_tool_parser("kimi_k2")
 class KimiK2ToolParser(TaggedToolParser):
     name = "kimi_k2"
     needs_special_tokens = True

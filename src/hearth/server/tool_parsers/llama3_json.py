@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from hearth.server.tool_parsers.base import ToolParser, ToolParseResult
 from hearth.server.tool_parsers.json_calls import json_call_sequence
-from hearth.server.tool_parsers.registry import register_tool_parser
 
 _PYTHON_TAG = "<|python_tag|>"
 
 
-@register_tool_parser("llama3_json")
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     needs_special_tokens = True  # <|python_tag|> is a special token

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from hearth.server.tool_parsers.base import ParsedToolCall, ToolParser, ToolParseResult, hold_back
 from hearth.server.tool_parsers.json_calls import json_call_sequence
-from hearth.server.tool_parsers.registry import register_tool_parser
 
 _CALLS = "[TOOL_CALLS]"
 _ARGS = "[ARGS]"
 _HELD = " \t\r\n"
 
 
-@register_tool_parser("mistral")
 class MistralToolParser(ToolParser):
     name = "mistral"
     needs_special_tokens = True

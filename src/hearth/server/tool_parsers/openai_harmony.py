@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from hearth.server.harmony import is_harmony, split_messages
 from hearth.server.tool_parsers.base import ParsedToolCall, ToolParser, ToolParseResult
-from hearth.server.tool_parsers.registry import register_tool_parser
 
 
-@register_tool_parser("openai")
 class HarmonyToolParser(ToolParser):
     name = "openai"
     needs_special_tokens = True

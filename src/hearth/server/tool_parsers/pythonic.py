@@ -9,7 +9,6 @@ import json
 import re
 
 from hearth.server.tool_parsers.base import ParsedToolCall, ToolParser, ToolParseResult
-from hearth.server.tool_parsers.registry import register_tool_parser
 
 _CALL_START = re.compile(r"\s*\[\s*[A-Za-z_][\w.]*\s*\(")
 _PYTHON_TAG = "<|python_tag|>"
@@ -49,7 +48,6 @@ def _could_start_calls(text: str) -> bool:
     return bool(_CALL_START.match(probe)) or bool(_CALL_START.match(text + "("))
 
 
-@register_tool_parser("pythonic")
 class PythonicToolParser(ToolParser):
     name = "pythonic"
 

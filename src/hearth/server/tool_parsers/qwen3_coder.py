@@ -21,13 +21,11 @@ from hearth.server.tool_parsers.base import (
     TypedArgumentsMixin,
     arguments_object,
 )
-from hearth.server.tool_parsers.registry import register_tool_parser
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-@register_tool_parser("qwen3_coder")
 class Qwen3CoderToolParser(TypedArgumentsMixin, TaggedToolParser):
     name = "qwen3_coder"
     start_tag = "<tool_call>"
