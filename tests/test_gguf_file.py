@@ -235,3 +235,35 @@ def test_serve_accepts_a_gguf_file_and_refuses_other_files(tiny_src, tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
     with pytest.raises(SystemExit, match="no such directory or GGUF file"):
         resolve_model_dir(str(tmp_path / "notes.txt"))
+
+
+def test_prompt_chunks_of_a_quantized_gguf_take_bf16_tiles_unless_float32_is_asked(
+    tiny_src, tmp_path_factory, monkeypatch
+):
+    """`--prefill-math`: float32 keeps a long prompt token-exact with transformers on the file's own numerics;
+    bfloat16 (auto's choice for quantized weights on CPUs with bf16 math) multiplies prompt chunks on bf16 tiles."""
+    from hearth.ops import cpu_kernels, int4
+    from hearth.ops.cpu_capability import cpu_capability
+
+    if cpu_kernels.paged_decode_attention_kernel(wait=True) is None:
+        pytest.skip("no C++ toolchain for torch extensions")
+    path = _gguf(tiny_src, tmp_path_factory, "Q4_1", "Q8_0")
+    prompts = [[(7 * i + 3) % 250 + 2 for i in range(150)], [(11 * i + 5) % 250 + 2 for i in range(90)]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    calls: list[int] = []
+    dequantize = cpu_kernels.int4_dequantize_bf16_kernel()
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return dequantize(*args)  # type: ignore[misc]
+
+    monkeypatch.setattr(int4, "int4_dequantize_bf16_kernel", lambda: counted)
+    exact = LLM(str(path), dtype="float32", prefill_math="float32", kv_cache_memory_gib=0.02)
+    hf = hf_gguf_model(path)
+    assert [r.token_ids for r in exact.generate(prompts, params)] == [hf_gguf_greedy(hf, p, 8) for p in prompts]
+    assert not calls
+    tiles = LLM(str(path), dtype="float32", prefill_math="bfloat16", kv_cache_memory_gib=0.02)
+    results = tiles.generate(prompts, params)
+    assert [len(r.token_ids) for r in results] == [8, 8]
+    # Where the CPU has no bf16 math, bfloat16 resolves to float32: nothing on the tiles.
+    assert bool(calls) == cpu_capability().fast_path.has_bf16_math

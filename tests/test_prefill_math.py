@@ -44,9 +44,13 @@ def test_resolve_prefill_math(restore_capability, flags, choice, quantized, acti
     assert resolve_prefill_math(choice, quantized=quantized, activations=activations, device=CPU) == expected
 
 
-def test_prefill_math_refuses_unknown_choices():
-    with pytest.raises(ValueError, match="auto, float32, bfloat16"):
-        resolve_prefill_math("fp8", quantized=True, activations=torch.float32, device=CPU)
+def test_prefill_math_is_an_engine_option_with_its_choices():
+    from hearth.engine.config import EngineConfig
+
+    assert EngineConfig(model="m").prefill_math == "auto"
+    assert EngineConfig(model="m", prefill_math="float32").prefill_math == "float32"
+    with pytest.raises(ValueError, match="bfloat16"):
+        EngineConfig(model="m", prefill_math="fp8")
 
 
 def test_bf16_rows_only_inside_the_scope_and_only_for_prompt_sized_float32_operands():

@@ -124,7 +124,7 @@ class Worker:
             quant_config=quant_config,
         )
         self.prefill_math = resolve_prefill_math(
-            getattr(config, "prefill_math", "auto"),
+            config.prefill_math,
             quantized=quantization != "unquantized",
             activations=dtype,
             device=self.device,

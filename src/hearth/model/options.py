@@ -14,6 +14,7 @@ from hearth.model.quantization.select import QUANTIZATION_CHOICES
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+PREFILL_MATH_CHOICES = ("auto", "float32", "bfloat16")
 
 
 def max_model_len(text: str) -> int | None:
@@ -104,6 +105,14 @@ class ModelOptions:
         metavar="{" + ",".join(QUANTIZATION_CHOICES) + "}",
         help="weights: auto = as the checkpoint's quantization_config says (GPTQ/AWQ/compressed-tensors INT4, "
         "FP8 blocks), else dense; int4 = round-to-nearest INT4 per group at load time",
+    )
+    # `hearth.ops.prefill_math`: the measured cost of bfloat16 is in docs/quantization.md.
+    prefill_math: str = _option(
+        "auto",
+        choices=PREFILL_MATH_CHOICES,
+        help="math of prompt chunks (and steps of >= 64 rows) whose activations are float32, on CPUs with bf16 "
+        "math: bfloat16 = bf16 tiles with float32 accumulation, as vLLM-CPU runs every row (2-3x a prefill); "
+        "float32 = the activations' own; auto = bfloat16 for quantized weights (GGUF, INT4, INT8), else float32",
     )
     # vLLM's --tokenizer: a tokenizer from elsewhere.
     tokenizer: str | None = _option(

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from hearth.ops.cpu_capability import cpu_capability
 
-PREFILL_MATH_CHOICES = ("auto", "float32", "bfloat16")
 # Fewer rows (decode batches) keep float32 and the INT4/INT8 kernels, which read ~4x fewer weight bytes; at 64
 # rows the bf16 GEMM already takes ~0.75x the INT4 kernel's time on SmolLM2's shapes (docs/benchmarks.md).
 BF16_MIN_ROWS = 64
@@ -40,10 +39,9 @@ _bf16_prompt_rows: ContextVar[bool] = ContextVar("hearth_bf16_prompt_rows", defa
 def resolve_prefill_math(
     choice: str, *, quantized: bool, activations: torch.dtype, device: torch.device
 ) -> str:
-    """`float32` or `bfloat16` for the engine option `choice` (see the module docstring for `auto`); bfloat16 only
-    where it applies (float32 activations on a CPU with bf16 math), else float32."""
-    if choice not in PREFILL_MATH_CHOICES:
-        raise ValueError(f"prefill math {choice!r}: expected one of {', '.join(PREFILL_MATH_CHOICES)}")
+    """`float32` or `bfloat16` for the engine option `choice` (`auto`, `float32` or `bfloat16`, checked by the
+    config; see the module docstring for `auto`); bfloat16 only where it applies (float32 activations on a CPU with
+    bf16 math), else float32."""
     applies = (
         device.type == "cpu" and activations == torch.float32 and cpu_capability().fast_path.has_bf16_math
     )
