@@ -260,7 +260,9 @@ def test_prompt_chunks_of_a_quantized_gguf_take_bf16_tiles_unless_float32_is_ask
     monkeypatch.setattr(int4, "int4_dequantize_bf16_kernel", lambda: counted)
     exact = LLM(str(path), dtype="float32", prefill_math="float32", kv_cache_memory_gib=0.02)
     hf = hf_gguf_model(path)
-    assert [r.token_ids for r in exact.generate(prompts, params)] == [hf_gguf_greedy(hf, p, 8) for p in prompts]
+    assert [r.token_ids for r in exact.generate(prompts, params)] == [
+        hf_gguf_greedy(hf, p, 8) for p in prompts
+    ]
     assert not calls
     tiles = LLM(str(path), dtype="float32", prefill_math="bfloat16", kv_cache_memory_gib=0.02)
     results = tiles.generate(prompts, params)
