@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth.ops.cpu_kernels import int4_dequantize_bf16_kernel, int4_skinny_linear_kernel
-from hearth.ops.prefill_math import bf16_rows, bf16_tile_linear
+from hearth.ops.prefill_math import bf16_tile_linear, bf16_tiles
 
 INT4_MAX_ROWS = 16  # W4A8 (int8 activations) up to this many rows; float activations above
 BLOCK = 64  # weights per packed block (the kernel's unit)
@@ -125,7 +125,7 @@ def dequantize_int4(weights: Int4Weights) -> torch.Tensor:
 
 def int4_linear(x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor | None) -> torch.Tensor:
     if (
-        bf16_rows(x)
+        bf16_tiles(x)
         and weights.kernel_ok
         and weights.group_size % 16 == 0
         and (dequantize := int4_dequantize_bf16_kernel()) is not None

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth.ops.cpu_kernels import int8_dequantize_bf16_kernel, int8_skinny_linear_kernel
-from hearth.ops.prefill_math import bf16_rows, bf16_tile_linear
+from hearth.ops.prefill_math import bf16_tile_linear, bf16_tiles
 
 INT8_ACTIVATION_MAX_ROWS = 16  # as INT4's W4A8: decode rows; prefill keeps float activations
 
@@ -45,7 +45,7 @@ def dequantize_int8(weights: Int8Weights) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, weights: Int8Weights, bias: torch.Tensor | None) -> torch.Tensor:
-    if bf16_rows(x) and weights.group_size % 16 == 0 and (dequantize := int8_dequantize_bf16_kernel()):
+    if bf16_tiles(x) and weights.group_size % 16 == 0 and (dequantize := int8_dequantize_bf16_kernel()):
         return bf16_tile_linear(x, dequantize(weights.q, weights.scales, weights.group_size), bias)
     if (
         x.dtype == torch.float32

@@ -65,8 +65,18 @@ def bf16_rows(x: torch.Tensor) -> bool:
     return _bf16_prompt_rows.get() and x.dtype == torch.float32 and x.shape[0] >= BF16_MIN_ROWS
 
 
+def bf16_tiles(x: torch.Tensor) -> bool:
+    """Whether a quantized linear takes the bf16 tiles for `x`: a float32 operand as `bf16_rows` says, or one a
+    caller already rounded to bf16 inside the scope (an MLP's intermediate, kept in bf16 between its GEMMs)."""
+    if x.dtype == torch.bfloat16:
+        return _bf16_prompt_rows.get() and x.shape[0] >= BF16_MIN_ROWS
+    return bf16_rows(x)
+
+
 def bf16_tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """float32 `x @ weight^T + bias` with `x` rounded to bf16 and a bf16 `weight`, accumulated in float32 by
-    oneDNN (a plain weight: its reorder is part of the call, cheaper than keeping a blocked bf16 copy)."""
+    """`x @ weight^T + bias` with `x` rounded to bf16 and a bf16 `weight`, accumulated in float32 by oneDNN (a
+    plain weight: its reorder is part of the call, cheaper than keeping a blocked bf16 copy), in `x`'s dtype."""
+    if x.dtype == torch.bfloat16:
+        return F.linear(x, weight, None if bias is None else bias.to(torch.bfloat16))
     out = F.linear(x.to(torch.bfloat16), weight).float()
     return out if bias is None else out.add_(bias)

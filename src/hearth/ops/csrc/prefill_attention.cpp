@@ -43,7 +43,7 @@
 namespace {
 
 constexpr int64_t kBlockQ = 32;  // query rows of a work item
-constexpr int64_t kBlockK = 64;  // keys per online-softmax step
+constexpr int64_t kBlockK = 64;  // keys per online-softmax step: a multiple of the 64-key register tile (128: 0.85x at 400 tokens, 1.04x at 4,500)
 constexpr int64_t kRows = 4;     // query rows of a register tile
 constexpr int64_t kMaxDim = 1024;  // MLA's latent + rotary keys are 576 wide
 
@@ -204,7 +204,7 @@ struct Bf16Math {
     }
   }
   static void qk(const uint16_t* q, int64_t q_stride, const uint16_t* kp_block, int64_t dim, float* s) {
-    qk_tile_bf16(q, q_stride, kp_block, dim, s, kBlockK);
+    for (int64_t k0 = 0; k0 < kBlockK; k0 += 64) qk_tile_bf16(q, q_stride, kp_block + k0 * dim, dim, s + k0, kBlockK);
   }
   static void store_p(uint16_t* dst, __m512 e) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(e));
@@ -281,7 +281,7 @@ struct F32Math {
     }
   }
   static void qk(const float* q, int64_t q_stride, const float* kp_block, int64_t dim, float* s) {
-    qk_tile_f32(q, q_stride, kp_block, dim, s, kBlockK);
+    for (int64_t k0 = 0; k0 < kBlockK; k0 += 64) qk_tile_f32(q, q_stride, kp_block + k0 * dim, dim, s + k0, kBlockK);
   }
   static void store_p(float* dst, __m512 e) { _mm512_storeu_ps(dst, e); }
   static void pv(const float* p, const float* vp_block, int64_t dim, float* o) {
