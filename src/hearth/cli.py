@@ -22,6 +22,14 @@ SUBCOMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "recommend a prefill:decode ratio and batch limits from a trace",
     ),
     ("bench", "compare"): ("hearth.bench.compare", "print ratios between two bench result files"),
+    ("bench", "side-by-side"): (
+        "hearth.bench.side_by_side",
+        "Hearth against vLLM-CPU on this machine, alternating: prefill, offline, serving",
+    ),
+    ("bench", "side-by-side-llama-cpp"): (
+        "hearth.bench.side_by_side_llama_cpp",
+        "Hearth against llama.cpp's llama-server on one GGUF, alternating",
+    ),
     ("eval",): ("hearth.eval.cli", "quality of precision configurations against a reference"),
     ("build-kernels",): ("hearth.build_kernels", "compile the CPU kernels ahead of the first server start"),
 }
