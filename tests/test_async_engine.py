@@ -138,3 +138,18 @@ def test_core_environment_bounds_allocator_and_onednn_state(monkeypatch) -> None
     buckets = {bucket_rows(rows) for rows in range(1, 2049)}
     assert int(env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) >= 8 * len(buckets)
     assert env["MALLOC_MMAP_THRESHOLD_"] == "4096"
+
+
+def test_core_environment_spins_openmp_threads_briefly_unless_the_user_chose(monkeypatch) -> None:
+    from hearth.engine.async_engine import OPENMP_SPIN_COUNT, _core_environment
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = _core_environment()
+    assert env["GOMP_SPINCOUNT"] == str(OPENMP_SPIN_COUNT) and "OMP_WAIT_POLICY" not in env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    env = _core_environment()
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
+    assert _core_environment()["GOMP_SPINCOUNT"] == "5"

@@ -355,18 +355,28 @@ class AsyncEngine:
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
-def _core_environment() -> dict[str, str]:
-    """The core's environment: ours, with OpenMP threads that sleep at once when they wait (unless set).
+# Spin iterations of a waiting OpenMP thread before it sleeps (libgomp's default is 300,000, ~ms; PASSIVE is 0).
+OPENMP_SPIN_COUNT = 30_000
 
-    The API process works while the core steps. OpenMP threads that spin while they wait need every
-    thread of the team on a core at each parallel region; once anything else wants a core (the API
-    process, another program) a step can take many times as long. Measured on 2 cores (AsyncEngine
-    alone, c1): ITL p50 / p90 ~6 / 8 ms spinning and ~11 / 13 ms passive on a quiet machine, but with
-    one other busy process 17 / 99 ms spinning (steps of 260 ms) against 10 / 13 ms passive. Set
-    OMP_WAIT_POLICY=active where nothing else ever competes for the cores.
+
+def _core_environment() -> dict[str, str]:
+    """The core's environment: ours, with OpenMP threads that spin briefly, then sleep, when they wait (unless
+    `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is set).
+
+    The API process works while the core steps. OpenMP threads that spin without bound while they wait need
+    every thread of the team on a core at each parallel region; once anything else wants a core (the API
+    process, another program) a step can take many times as long. Measured on 2 cores (AsyncEngine alone, c1):
+    ITL p50 / p90 ~6 / 8 ms spinning and ~11 / 13 ms passive on a quiet machine, but with one other busy
+    process 17 / 99 ms spinning (steps of 260 ms) against 10 / 13 ms passive. Sleeping at once has its own
+    cost: a prompt chunk runs ~10 parallel regions a layer back to back, and each wake-up is ~10-50 us. A
+    bounded spin (`GOMP_SPINCOUNT`, libgomp's, torch's OpenMP on Linux) keeps the threads awake across those
+    gaps and sleeps in the idle ones: served SmolLM2 on 2 Zen 5 cores with the API process and the load
+    generator on the same cores (docs/benchmarks.md, session 10), against `OMP_WAIT_POLICY=PASSIVE`: GGUF c16
+    output +17%, c1 TTFT p90 153-157 -> 109 ms; bf16 c16 +13%, c1 ITL p50 24.5 -> 16.4 ms.
     """
     env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPIN_COUNT))
     if memory_defaults_enabled(env):
         for name, value in CORE_MEMORY_ENVIRONMENT.items():
             env.setdefault(name, value)

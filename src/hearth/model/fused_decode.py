@@ -16,7 +16,7 @@ Python layers. `HEARTH_FUSED_DECODE=0` turns it off (to compare).
 
 In one step the threads run one OpenMP region: each layer's projections split by output features and its
 attention by work items (KV heads, and at batch < threads key chunks, merged in a stage of their own), small stages (norms, RoPE + KV write, SiLU x up) on one thread, a barrier between
-stages. Under the serving core's `OMP_WAIT_POLICY=PASSIVE` a kernel per region woke the threads ~270 times a
+stages. Under `OMP_WAIT_POLICY=PASSIVE` (the serving core's setting until session 10) a kernel per region woke the threads ~270 times a
 step on a 30-layer model, about half of a batch-1 step.
 """
 

@@ -163,7 +163,7 @@ void DecodeStack::add_layer(DecodeLayer layer) {
 namespace {
 
 // Threads meet between the stages of a step here. OpenMP's own barrier sleeps at once under
-// OMP_WAIT_POLICY=PASSIVE (the core's setting, so a step never spins against the API process), and a wake-up
+// OMP_WAIT_POLICY=PASSIVE (the core's setting before its bounded GOMP_SPINCOUNT), and a wake-up
 // costs ~10-20 us: with ~8 parallel kernels a layer that was ~4 ms of a 30-layer batch-1 step. This one spins
 // first (the stages are short and balanced, so the other thread is usually microseconds away), then sleeps on
 // a futex. How long each thread spins adapts: a wait that ended while spinning keeps (or doubles) its budget,
