@@ -9,34 +9,19 @@
 #include <ATen/ops/empty.h>
 
 #include <cstdint>
-#include <cstring>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "bf16_bits.h"
 
 namespace {
 
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's conversion
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7f800000u) == 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | ((bits & 0xffff) ? 0x40 : 0));
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-inline void store_bf16(uint16_t* dst, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
-}
-#endif
+using hearth::float_to_bf16;
 
 // Output row o of an INT4 weight: packed blocks of 64 weights in 32 bytes (byte b: weight b low, b + 32 high).
 void int4_row(const uint8_t* packed, const float* scales, const float* zero_scaled, int64_t in, int64_t group_size,
               uint16_t* dst) {
   for (int64_t block = 0; block < in / 64; ++block) {
     const uint8_t* bytes = packed + block * 32;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(HEARTH_BF16_VECTORS)
     for (int half = 0; half < 2; ++half) {
       for (int quarter = 0; quarter < 2; ++quarter) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + quarter * 16));
@@ -45,14 +30,14 @@ void int4_row(const uint8_t* packed, const float* scales, const float* zero_scal
         const int64_t i = block * 64 + half * 32 + quarter * 16;
         const int64_t g = i / group_size;
         const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
-        store_bf16(dst + i, _mm512_fmsub_ps(q, _mm512_set1_ps(scales[g]), _mm512_set1_ps(zero_scaled[g])));
+        hearth::store_bf16x16(dst + i, _mm512_fmsub_ps(q, _mm512_set1_ps(scales[g]), _mm512_set1_ps(zero_scaled[g])));
       }
     }
 #else
     for (int64_t b = 0; b < 32; ++b) {
       const int64_t lo = block * 64 + b, hi = lo + 32;
-      dst[lo] = to_bf16(static_cast<float>(bytes[b] & 0x0f) * scales[lo / group_size] - zero_scaled[lo / group_size]);
-      dst[hi] = to_bf16(static_cast<float>(bytes[b] >> 4) * scales[hi / group_size] - zero_scaled[hi / group_size]);
+      dst[lo] = float_to_bf16(static_cast<float>(bytes[b] & 0x0f) * scales[lo / group_size] - zero_scaled[lo / group_size]);
+      dst[hi] = float_to_bf16(static_cast<float>(bytes[b] >> 4) * scales[hi / group_size] - zero_scaled[hi / group_size]);
     }
 #endif
   }
@@ -60,14 +45,14 @@ void int4_row(const uint8_t* packed, const float* scales, const float* zero_scal
 
 void int8_row(const int8_t* q, const float* scales, int64_t in, int64_t group_size, uint16_t* dst) {
   int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(HEARTH_BF16_VECTORS)
   for (; i + 16 <= in; i += 16) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
     const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-    store_bf16(dst + i, _mm512_mul_ps(v, _mm512_set1_ps(scales[i / group_size])));
+    hearth::store_bf16x16(dst + i, _mm512_mul_ps(v, _mm512_set1_ps(scales[i / group_size])));
   }
 #endif
-  for (; i < in; ++i) dst[i] = to_bf16(static_cast<float>(q[i]) * scales[i / group_size]);
+  for (; i < in; ++i) dst[i] = float_to_bf16(static_cast<float>(q[i]) * scales[i / group_size]);
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "fp8_e4m3.h"
 #include "vector_exp.h"
 
@@ -47,19 +48,8 @@ constexpr int64_t kBlockK = 64;  // keys per online-softmax step: a multiple of 
 constexpr int64_t kRows = 4;     // query rows of a register tile
 constexpr int64_t kMaxDim = 1024;  // MLA's latent + rotary keys are 576 wide
 
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's conversion (no NaN inputs here)
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using hearth::bf16_to_float;
+using hearth::float_to_bf16;
 
 // One pool element as float: the pool's dtype, times the KV head's scale for FP8.
 struct PoolReader {
@@ -206,9 +196,7 @@ struct Bf16Math {
   static void qk(const uint16_t* q, int64_t q_stride, const uint16_t* kp_block, int64_t dim, float* s) {
     for (int64_t k0 = 0; k0 < kBlockK; k0 += 64) qk_tile_bf16(q, q_stride, kp_block + k0 * dim, dim, s + k0, kBlockK);
   }
-  static void store_p(uint16_t* dst, __m512 e) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(e));
-  }
+  static void store_p(uint16_t* dst, __m512 e) { hearth::store_bf16x16(dst, e); }
   static void pv(const uint16_t* p, const uint16_t* vp_block, int64_t dim, float* o) {
     int64_t d0 = 0;
     for (; d0 + 64 <= dim; d0 += 64) pv_tile_bf16<4>(p, kBlockK, vp_block, dim, d0, o, dim);

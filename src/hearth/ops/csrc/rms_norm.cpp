@@ -13,24 +13,15 @@
 #include <cstdint>
 #include <optional>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "bf16_bits.h"
 #include <tuple>
 
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-inline __m512 load_bf16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline void store_bf16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __m512 bf16_rounded(__m512 v) {  // the value a bf16 tensor would hold
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+#if defined(HEARTH_BF16_VECTORS)
+using hearth::load_bf16x16;
+using hearth::round_to_bf16x16;
+using hearth::store_bf16x16;
 #endif
 
 // bf16 rows (a bf16 model, issue 11), rounded where the torch path rounds: the residual sum and the
@@ -52,14 +43,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bf16(const at::Tensor& x, const at::
       bf16* sr = s_ptr + row * h;
       float sum_sq = 0.f;
       int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(HEARTH_BF16_VECTORS)
       // 16 lanes at a time, rounded to bf16 where the scalar loop rounds (vcvtneps2bf16: to nearest even).
       __m512 squares = _mm512_setzero_ps();
       for (; i + 16 <= h; i += 16) {
-        __m512 v = load_bf16(xr + i);
+        __m512 v = load_bf16x16(xr + i);
         if (add) {
-          v = bf16_rounded(_mm512_add_ps(v, load_bf16(r_ptr + row * h + i)));
-          store_bf16(sr + i, v);
+          v = round_to_bf16x16(_mm512_add_ps(v, load_bf16x16(r_ptr + row * h + i)));
+          store_bf16x16(sr + i, v);
         }
         squares = _mm512_fmadd_ps(v, v, squares);
       }
@@ -79,11 +70,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bf16(const at::Tensor& x, const at::
       const float scale = 1.f / std::sqrt(sum_sq / static_cast<float>(h) + eps);
       bf16* orow = o_ptr + row * h;
       int64_t k = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(HEARTH_BF16_VECTORS)
       const __m512 vscale = _mm512_set1_ps(scale);
       for (; k + 16 <= h; k += 16) {
-        const __m512 normalized = bf16_rounded(_mm512_mul_ps(load_bf16(sr + k), vscale));
-        store_bf16(orow + k, _mm512_mul_ps(load_bf16(w_ptr + k), normalized));
+        const __m512 normalized = round_to_bf16x16(_mm512_mul_ps(load_bf16x16(sr + k), vscale));
+        store_bf16x16(orow + k, _mm512_mul_ps(load_bf16x16(w_ptr + k), normalized));
       }
 #endif
       for (; k < h; ++k) {

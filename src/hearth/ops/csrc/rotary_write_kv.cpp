@@ -13,11 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "fp8_e4m3.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -129,50 +126,29 @@ at::Tensor rotary_write_kv_fp8(at::Tensor qkv, at::Tensor cos, at::Tensor sin, i
 
 namespace {
 
-inline float bf16_bits_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline float round_bf16(float f) {  // to the nearest bf16, ties to even (torch's rounding; no NaNs here)
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using hearth::bf16_to_float;
+using hearth::round_to_bf16;
 
 // out = (x1 c - x2 s, x2 c + x1 s) over one head, each product and sum rounded to bf16 as torch's bf16 ops do.
 inline void rotate_bf16(const uint16_t* in, const uint16_t* c, const uint16_t* s, int64_t half, uint16_t* out) {
   int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  auto load = [](const uint16_t* p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  };
-  auto round = [](__m512 v) {  // through bf16 and back: the rounding of a bf16 op's result
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-  };
+#if defined(HEARTH_BF16_VECTORS)
+  using hearth::load_bf16x16;
+  using hearth::round_to_bf16x16;
   for (; i + 16 <= half; i += 16) {
-    const __m512 x1 = load(in + i), x2 = load(in + i + half), cv = load(c + i), sv = load(s + i);
-    const __m512 a = _mm512_sub_ps(round(_mm512_mul_ps(x1, cv)), round(_mm512_mul_ps(x2, sv)));
-    const __m512 b = _mm512_add_ps(round(_mm512_mul_ps(x2, cv)), round(_mm512_mul_ps(x1, sv)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(a));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + half), (__m256i)_mm512_cvtneps_pbh(b));
+    const __m512 x1 = load_bf16x16(in + i), x2 = load_bf16x16(in + i + half);
+    const __m512 cv = load_bf16x16(c + i), sv = load_bf16x16(s + i);
+    const __m512 a = _mm512_sub_ps(round_to_bf16x16(_mm512_mul_ps(x1, cv)), round_to_bf16x16(_mm512_mul_ps(x2, sv)));
+    const __m512 b = _mm512_add_ps(round_to_bf16x16(_mm512_mul_ps(x2, cv)), round_to_bf16x16(_mm512_mul_ps(x1, sv)));
+    hearth::store_bf16x16(out + i, a);
+    hearth::store_bf16x16(out + i + half, b);
   }
 #endif
   for (; i < half; ++i) {
-    const float x1 = bf16_bits_to_float(in[i]), x2 = bf16_bits_to_float(in[i + half]);
-    const float cv = bf16_bits_to_float(c[i]), sv = bf16_bits_to_float(s[i]);
-    const float a = round_bf16(round_bf16(x1 * cv) - round_bf16(x2 * sv));
-    const float b = round_bf16(round_bf16(x2 * cv) + round_bf16(x1 * sv));
-    uint32_t bits;
-    std::memcpy(&bits, &a, sizeof(bits));
-    out[i] = static_cast<uint16_t>(bits >> 16);
-    std::memcpy(&bits, &b, sizeof(bits));
-    out[i + half] = static_cast<uint16_t>(bits >> 16);
+    const float x1 = bf16_to_float(in[i]), x2 = bf16_to_float(in[i + half]);
+    const float cv = bf16_to_float(c[i]), sv = bf16_to_float(s[i]);
+    out[i] = hearth::float_to_bf16(round_to_bf16(x1 * cv) - round_to_bf16(x2 * sv));
+    out[i + half] = hearth::float_to_bf16(round_to_bf16(x2 * cv) + round_to_bf16(x1 * sv));
   }
 }
 

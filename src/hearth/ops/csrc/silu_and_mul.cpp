@@ -5,58 +5,38 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
+#include "bf16_bits.h"
 #include "vector_exp.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
-inline float from_bf16(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7f800000u) == 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | ((bits & 0xffff) ? 0x40 : 0));
-  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
+using hearth::bf16_to_float;
+using hearth::float_to_bf16;
 
 void silu_mul_row(const uint16_t* gate, const uint16_t* up, int64_t size, uint16_t* out) {
   int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  auto load = [](const uint16_t* p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  };
+#if defined(HEARTH_BF16_VECTORS)
+  using hearth::load_bf16x16;
   const __m512 one = _mm512_set1_ps(1.0f);
   for (; i + 16 <= size; i += 16) {
-    const __m512 g = load(gate + i);
+    const __m512 g = load_bf16x16(gate + i);
     // e^-|g| keeps the exponential's argument non-positive; g >= 0: 1 / (1 + e^-g), g < 0: e^g / (1 + e^g).
     const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
     const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 sigmoid = _mm512_mask_div_ps(_mm512_div_ps(one, _mm512_add_ps(one, e)), negative, e,
                                               _mm512_add_ps(one, e));
     const __m512 silu = _mm512_mul_ps(g, sigmoid);
-    const __m512 silu_rounded = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(silu)), 16));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu_rounded, load(up + i))));
+    hearth::store_bf16x16(out + i, _mm512_mul_ps(hearth::round_to_bf16x16(silu), load_bf16x16(up + i)));
   }
 #endif
   for (; i < size; ++i) {
-    const float g = from_bf16(gate[i]);
-    const float silu = from_bf16(to_bf16(g / (1.0f + std::exp(-g))));
-    out[i] = to_bf16(silu * from_bf16(up[i]));
+    const float g = bf16_to_float(gate[i]);
+    const float silu = hearth::round_to_bf16(g / (1.0f + std::exp(-g)));
+    out[i] = float_to_bf16(silu * bf16_to_float(up[i]));
   }
 }
 
