@@ -15,9 +15,9 @@ and builds a causal mask per row (in `prepare` and per layer), ~1.35x a decode s
 
 Longer rows (prompt chunks) go through the compiled prefill kernel (`csrc/prefill_attention.cpp`): flash-style
 tiles over the chunk's pages read in place, causal and sliding-window masks applied by position, bf16 queries on
-AVX512-BF16 and float32 ones on AVX-512, over float32, bf16 or FP8 pools; float32 queries on the bf16 tiles under bf16 prefill math
-(`hearth.ops.prefill_math`). Chunked local attention (Llama 4), head
-dims that are not a multiple of 16, other ISAs and devices keep the torch path (SDPA over the gathered pages).
+AVX512-BF16 and float32 ones on AVX-512, over float32, bf16 or FP8 pools; under bf16 prefill math
+(`hearth.ops.prefill_math`) float32 queries take the bf16 tiles. Chunked local attention (Llama 4), head dims that
+are not a multiple of 16, other ISAs and devices keep the torch path (SDPA over the gathered pages).
 """
 
 from __future__ import annotations
