@@ -153,3 +153,27 @@ def test_core_environment_spins_openmp_threads_briefly_unless_the_user_chose(mon
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setenv("GOMP_SPINCOUNT", "5")
     assert _core_environment()["GOMP_SPINCOUNT"] == "5"
+
+
+def test_in_process_engines_get_the_core_allocator_settings(monkeypatch) -> None:
+    from hearth.engine import memory_defaults
+
+    calls: list[tuple[int, int]] = []
+
+    class FakeLibc:
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(memory_defaults.ctypes, "CDLL", lambda name: FakeLibc())
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")  # the user's own setting: glibc already read it
+    monkeypatch.setenv("HEARTH_CORE_MEMORY_DEFAULTS", "0")
+    memory_defaults.apply_in_process()
+    assert not calls and "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in memory_defaults.os.environ
+    monkeypatch.delenv("HEARTH_CORE_MEMORY_DEFAULTS")
+    memory_defaults.apply_in_process()
+    assert sorted(calls) == [(-8, 2), (-1, 4 * 1024 * 1024)]  # arenas and trim; the mmap threshold was set
+    assert memory_defaults.os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
