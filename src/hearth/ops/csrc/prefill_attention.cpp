@@ -84,24 +84,38 @@ struct Tile {
   float* o_row(int64_t r, int64_t dim) { return o.data() + r * dim; }
 };
 
-// Softmax step for row r over the key block in t.s[r] (already scaled and masked): rescales the row's output and
-// sum, leaves the block's probabilities in t.p[r] (`store` converts). All keys masked: nothing to add.
+// Softmax step for row r over the key block's raw dot products in t.s[r]: keys outside [first_key, pos] (key j of
+// the block is key_base + j) are masked first when `needs_mask`; the scores are the products times `scale` (folded
+// into the exponential's argument, one FMA, rather than a pass of its own). Rescales the row's output and sum and
+// leaves the block's probabilities in t.p[r] (`store` converts). All keys masked: nothing to add.
 template <typename P, typename Store>
-inline void softmax_row(Tile<P>& t, int64_t r, int64_t dim, const Store& store) {
-  const float* s = t.s[r];
+inline void softmax_row(Tile<P>& t, int64_t r, int64_t dim, float scale, int64_t key_base, int64_t pos,
+                        int64_t first_key, bool needs_mask, const Store& store) {
+  float* s = t.s[r];
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (needs_mask) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i last = _mm512_set1_epi32(static_cast<int32_t>(pos));
+    const __m512i first = _mm512_set1_epi32(static_cast<int32_t>(first_key));
+    for (int64_t j = 0; j < kBlockK; j += 16) {
+      const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(key_base + j)), lanes);
+      const __mmask16 outside = _mm512_cmpgt_epi32_mask(keys, last) | _mm512_cmplt_epi32_mask(keys, first);
+      _mm512_mask_storeu_ps(s + j, outside, _mm512_set1_ps(neg_inf));
+    }
+  }
   __m512 mx = _mm512_loadu_ps(s);
   for (int64_t j = 16; j < kBlockK; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
   const float block_max = _mm512_reduce_max_ps(mx);
-  const float new_max = std::max(t.max[r], block_max);
-  if (new_max == -std::numeric_limits<float>::infinity()) {
+  const float new_max = std::max(t.max[r], block_max == neg_inf ? neg_inf : block_max * scale);
+  if (new_max == neg_inf) {
     for (int64_t j = 0; j < kBlockK; j += 16) store(&t.p[r][j], _mm512_setzero_ps());
     return;
   }
   const float alpha = std::exp(t.max[r] - new_max);  // 0 for the first block (max was -inf)
-  const __m512 shift = _mm512_set1_ps(new_max);
+  const __m512 shift = _mm512_set1_ps(new_max), vscale = _mm512_set1_ps(scale);
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < kBlockK; j += 16) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift));
+    const __m512 e = exp_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, shift));
     total = _mm512_add_ps(total, e);
     store(&t.p[r][j], e);
   }
@@ -111,20 +125,6 @@ inline void softmax_row(Tile<P>& t, int64_t r, int64_t dim, const Store& store) 
     const __m512 a = _mm512_set1_ps(alpha);
     float* o = t.o_row(r, dim);
     for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(a, _mm512_loadu_ps(o + d)));
-  }
-}
-
-// Scores of rows [r0, r0 + kRows) against the block's keys, scaled, masked: key k of the block (absolute key_base
-// + k) is seen by the row at absolute position pos iff first(pos) <= key <= pos.
-inline void mask_and_scale(float* s_row, float scale, int64_t key_base, int64_t pos, int64_t first_key,
-                           bool needs_mask) {
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t j = 0; j < kBlockK; j += 16) _mm512_storeu_ps(s_row + j, _mm512_mul_ps(sc, _mm512_loadu_ps(s_row + j)));
-  if (!needs_mask) return;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < kBlockK; ++j) {
-    const int64_t key = key_base + j;
-    if (key > pos || key < first_key) s_row[j] = neg_inf;
   }
 }
 
@@ -345,8 +345,8 @@ void attend(const at::Tensor& q, at::Tensor& out, const PoolReader& k_reader, co
         const bool needs_mask = key0 + kBlockK - 1 > first_pos || key0 < unmasked_from;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t pos = first_pos + r;
-          mask_and_scale(tile->s[r], fscale, key0, pos, window > 0 ? pos - window + 1 : 0, needs_mask);
-          softmax_row(*tile, r, dim, [](Prob* dst, __m512 e) { Math::store_p(dst, e); });
+          softmax_row(*tile, r, dim, fscale, key0, pos, window > 0 ? pos - window + 1 : 0, needs_mask,
+                      [](Prob* dst, __m512 e) { Math::store_p(dst, e); });
         }
         const Elem* vp_block = Math::v_block(vp.data(), kv_head, padded, key0, dim);
         for (int64_t r = 0; r < rows; r += kRows) Math::pv(&tile->p[r][0], vp_block, dim, tile->o_row(r, dim));
