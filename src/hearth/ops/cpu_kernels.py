@@ -83,6 +83,7 @@ _paged_decode_attention_bf16: Callable[..., object] | None = None
 _check_page_tags: Callable[..., list[int]] | None = None
 _prefill_attention: Callable[..., Any] | None = None
 _prefill_attention_isa: Callable[[Any], str] | None = None
+_prefill_attention_isas: dict[Any, str] = {}
 _int4_dequantize_bf16: Callable[..., Any] | None = None
 _int8_dequantize_bf16: Callable[..., Any] | None = None
 _rotary_write_kv_bf16: Callable[..., Any] | None = None
@@ -403,9 +404,11 @@ def prefill_attention_kernel(dtype: Any) -> Callable[..., Any] | None:
     """`prefill_attention(q, k_pool, v_pool, k_scale, v_scale, page_ids, context_len, page_size, window, scale)`
     for queries of `dtype` (a torch dtype) once built, where this build has tile math for it (AVX512-BF16 for
     bfloat16, AVX-512 for float32); else None (older CPUs: the torch path)."""
-    if _prefill_attention is None or _prefill_attention_isa is None or not _prefill_attention_isa(dtype):
+    if _prefill_attention is None or _prefill_attention_isa is None:
         return None
-    return _prefill_attention
+    if dtype not in _prefill_attention_isas:  # asked per layer: the build's answer, once per dtype
+        _prefill_attention_isas[dtype] = _prefill_attention_isa(dtype)
+    return _prefill_attention if _prefill_attention_isas[dtype] else None
 
 
 def int4_dequantize_bf16_kernel() -> Callable[..., Any] | None:
